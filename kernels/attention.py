@@ -1,0 +1,206 @@
+"""Paged attention: the torch reference op over a block-major KV cache.
+
+The KV cache of one layer is a pool of fixed-size blocks, `[num_blocks, block_size, KVH, D]`
+(block-major, then sequence-major inside a block). A sequence owns a list of block ids (its row
+of `block_tables`); the token at absolute position `p` lives in block `block_table[p //
+block_size]` at offset `p % block_size`. Block 0 of every pool is a reserved null block: padding
+and out-of-window entries of a block table point at it and are masked anyway.
+
+One engine step runs a flattened, variable-length batch (vLLM v1 style): the new tokens of every
+sequence concatenated into `[T, ...]`, each sequence contributing `query_len` tokens (a chunk of
+its prompt, or one decode token). `AttentionMetadata` describes that batch for one KV group
+("full" or "sliding"); the model writes the new tokens' K/V at `slot_mapping` first, then
+attends over the paged cache, which now holds the cached prefix and the new tokens alike.
+
+Masking: new token `i` of sequence `b` sits at position `seq_len_b - query_len_b + i`; it sees
+positions `p <= own` and, with a sliding window `W`, `p > own - W` (Hugging Face's convention).
+
+Two paths:
+- decode-only batches (every query_len == 1, the steady state): one batched gather of the blocks
+  each sequence can see, `k_cache[blocks] -> [B, L, KVH, D]`, and one masked matmul. For the
+  sliding group only the blocks that can hold in-window positions are gathered.
+- prefill / mixed batches: a loop over sequences with `F.scaled_dot_product_attention` and an
+  explicit boolean mask (a manual softmax path when logits are soft-capped).
+
+Softmax runs in float32 as Hugging Face's eager attention does. This module is a leaf: it imports
+torch only. Faster versions (Triton, CUDA) keep these signatures and are chosen by
+`kernels.get_op`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """How one step's flattened batch maps onto one KV group's paged cache."""
+
+    query_start_loc: Tensor  # [B+1] int32: start of each sequence's new tokens in the flat batch
+    seq_lens: Tensor  # [B] int32: context length after this step (cached + new tokens)
+    block_tables: Tensor  # [B, max_blocks] int32 block ids of this group (0 = null/padding)
+    slot_mapping: Tensor  # [T] int64: block_id * block_size + offset of each new token's K/V
+    query_lens_list: list[int]  # python copies, so the CPU path needs no .tolist() syncs
+    seq_lens_list: list[int]
+    max_seq_len: int
+    decode_only: bool  # every query_len == 1 (fast batched path)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata from python lists (tests, simple drivers). Rows are padded with block 0."""
+        assert len(query_lens) == len(seq_lens) == len(block_tables)
+        starts = [0]
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            assert 0 < q_len <= s_len, (q_len, s_len)
+            starts.append(starts[-1] + q_len)
+            for pos in range(s_len - q_len, s_len):
+                block = table[pos // block_size]
+                assert block != 0, f"new token at position {pos} maps to the null block"
+                slots.append(block * block_size + pos % block_size)
+        width = max(1, max((len(t) for t in block_tables), default=1))
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(
+                len(padded), width
+            ),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            max_seq_len=max(seq_lens, default=0),
+            decode_only=all(q == 1 for q in query_lens),
+        )
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter the new tokens' K/V into the paged cache (in place)."""
+    # k, v: [T, KVH, D]; caches: [NB, BS, KVH, D] viewed as [NB * BS, KVH, D]
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Attention of the new tokens over the paged cache. q [T, H, D] -> [T, H, D]."""
+    if meta.decode_only:
+        return _decode_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    return _varlen_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+
+
+def _decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    b, h, d = q.shape  # one query per sequence: T == B
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    groups = h // kvh
+    tables = meta.block_tables
+    max_blocks = tables.shape[1]
+    seq_lens = meta.seq_lens.to(torch.long)  # [B]
+    own = seq_lens - 1  # [B] position of the query token
+
+    n_blocks = min(-(-meta.max_seq_len // block_size), max_blocks)
+    if window is None:
+        first = torch.zeros_like(seq_lens)
+    else:
+        # the window spans `window` positions: at most (window - 1) // bs + 2 blocks
+        n_blocks = min(n_blocks, (window - 1) // block_size + 2)
+        first = (own - window + 1).clamp(min=0) // block_size  # [B] first block in the window
+    idx = first[:, None] + torch.arange(n_blocks, device=q.device)  # [B, n]
+    blocks = tables.gather(1, idx.clamp(max=max_blocks - 1).to(tables.dtype)).long()  # [B, n]
+    k = k_cache[blocks].view(b, n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
+    v = v_cache[blocks].view(b, n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
+
+    offsets = torch.arange(block_size, device=q.device)
+    pos = (idx[:, :, None] * block_size + offsets).view(b, -1)  # [B, L] absolute positions
+    valid = pos <= own[:, None]  # [B, L]
+    if window is not None:
+        valid &= pos > own[:, None] - window
+
+    qg = q.view(b, kvh, groups, d)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, KVH, G, L]
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, KVH, G, D]
+    return out.reshape(b, h, d)
+
+
+def _varlen_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    _, h, d = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        if q_len == 0:
+            continue
+        first_pos = 0 if window is None else max(0, s_len - q_len - window + 1)
+        first_block, end_block = first_pos // block_size, -(-s_len // block_size)
+        blocks = meta.block_tables[b, first_block:end_block].long()  # [n]
+        k = k_cache[blocks].view(-1, kvh, d)  # [S, KVH, D] from position first_block * bs
+        v = v_cache[blocks].view(-1, kvh, d)
+        k_pos = torch.arange(first_block * block_size, end_block * block_size, device=q.device)
+        q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+        valid = k_pos[None, :] <= q_pos[:, None]  # [Lq, S]
+        if window is not None:
+            valid &= k_pos[None, :] > q_pos[:, None] - window
+        qs = q[start : start + q_len].transpose(0, 1)  # [H, Lq, D]
+        out[start : start + q_len] = _dense_attention(
+            qs, k.transpose(0, 1), v.transpose(0, 1), valid, scale, softcap
+        ).transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _dense_attention(
+    q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float, softcap: float | None
+) -> Tensor:
+    """q [H, Lq, D], k/v [KVH, S, D], valid [Lq, S] -> [H, Lq, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=valid, scale=scale, enable_gqa=True
+        )[0]
+    groups = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(groups, dim=0)  # [H, S, D]
+    v = v.repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, Lq, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -1,0 +1,406 @@
+"""Avro encoding of tolk's Kafka record values.
+
+Design notes
+------------
+* The ``*.avsc`` files beside this module are the source of truth. They are read and parsed
+  once per process (``builtin_schemas()``); codecs share the parsed forms.
+* Wire format. By default a value is Avro *single-object encoding*: ``C3 01``, the 8-byte
+  CRC-64-AVRO fingerprint of the writer schema's Parsing Canonical Form (little-endian), then
+  the Avro binary body. The bytes say which schema wrote them, so a reader can resolve old
+  records to its own (newer or older) schema: that is how replaying old logs keeps working.
+  Writer schemas other than the current ones are made known with ``register_writer_schema``.
+* With a Schema Registry, values use the Confluent wire format instead: ``00``, the 4-byte
+  big-endian schema id, the body. The ids come from the deployment (``SchemaIds``); the codec
+  never talks to a registry and never registers schemas (workers must not do that by
+  accident). ``decode`` accepts both formats whatever the codec writes.
+* Timestamps (``timestamp-millis``) decode as int epoch milliseconds by default: the hot path
+  compares them with ``time.time() * 1000`` and needs no datetime objects. ``encode`` takes
+  either ints or aware datetimes. ``AvroCodec(timestamps="datetime")`` decodes datetimes.
+* Every failure is a ``SchemaError`` (raised ``from`` fastavro's exception), so callers catch
+  one type and send the record to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Literal
+
+import fastavro
+from fastavro.schema import fingerprint as _fastavro_fingerprint
+from fastavro.schema import to_parsing_canonical_form
+
+__all__ = [
+    "DEAD_LETTER",
+    "REQUEST",
+    "RESULT",
+    "AvroCodec",
+    "SchemaError",
+    "SchemaIds",
+    "builtin_schemas",
+    "decode_dead_letter",
+    "decode_request",
+    "decode_result",
+    "default_codec",
+    "encode_dead_letter",
+    "encode_request",
+    "encode_result",
+    "schema_fingerprint",
+]
+
+# Full names of the built-in schemas.
+REQUEST = "tolk.TranslationRequest"
+RESULT = "tolk.TranslationResult"
+DEAD_LETTER = "tolk.DeadLetter"
+
+_SCHEMA_FILES = {
+    REQUEST: "translation_request.avsc",
+    RESULT: "translation_result.avsc",
+    DEAD_LETTER: "dead_letter.avsc",
+}
+
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+SINGLE_OBJECT_HEADER_LEN = 10  # magic (2) + fingerprint (8)
+CONFLUENT_MAGIC = 0
+CONFLUENT_HEADER_LEN = 5  # magic (1) + schema id (4, big-endian)
+
+_TIMESTAMP_TYPES = frozenset(
+    {"timestamp-millis", "timestamp-micros", "local-timestamp-millis", "local-timestamp-micros"}
+)
+
+Timestamps = Literal["millis", "datetime"]
+
+
+class SchemaError(ValueError):
+    """A value could not be encoded or decoded with tolk's Avro schemas."""
+
+
+@dataclass(frozen=True)
+class SchemaIds:
+    """Schema Registry ids, fixed by the deployment (the codec has no registry client).
+
+    ``ids`` maps a schema's full name (``tolk.TranslationRequest``) to the registry id of the
+    version this process writes. Ids of older writer versions are given to
+    ``AvroCodec.register_writer_schema(schema, schema_id=...)``.
+    """
+
+    ids: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, schema_id in self.ids.items():
+            if not 0 <= schema_id < 2**31:
+                raise ValueError(f"schema id for {name} out of range: {schema_id}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Writer:
+    """One known writer schema."""
+
+    name: str  # full name of the top-level record
+    fingerprint: bytes  # 8 bytes as on the wire
+    encode_schema: Any  # parsed, with logical types: accepts ints and datetimes
+    decode_schema: Any  # parsed, timestamps stripped in "millis" mode
+
+
+def schema_fingerprint(schema: Mapping[str, Any] | str) -> bytes:
+    """CRC-64-AVRO fingerprint of a raw (JSON) schema, as the 8 bytes single-object encoding
+    writes (the 64-bit value little-endian)."""
+    canonical = to_parsing_canonical_form(schema if isinstance(schema, str) else dict(schema))
+    # fastavro's hex string is already the little-endian byte order of the 64-bit value.
+    return bytes.fromhex(_fastavro_fingerprint(canonical, "CRC-64-AVRO"))
+
+
+def _full_name(schema: Mapping[str, Any]) -> str:
+    name = str(schema["name"])
+    namespace = schema.get("namespace")
+    if "." in name or not namespace:
+        return name
+    return f"{namespace}.{name}"
+
+
+def _strip_timestamps(schema: Any) -> Any:
+    """A copy of a raw schema whose timestamp logical types are plain longs."""
+    if isinstance(schema, dict):
+        out = {k: _strip_timestamps(v) for k, v in schema.items()}
+        if out.get("logicalType") in _TIMESTAMP_TYPES:
+            del out["logicalType"]
+        return out
+    if isinstance(schema, list):
+        return [_strip_timestamps(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def builtin_schemas() -> Mapping[str, Mapping[str, Any]]:
+    """The raw (JSON) built-in schemas by full name, read once."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for name, filename in _SCHEMA_FILES.items():
+        raw = json.loads(resources.files(__package__).joinpath(filename).read_text("utf-8"))
+        if _full_name(raw) != name:
+            raise SchemaError(f"{filename} declares {_full_name(raw)}, expected {name}")
+        out[name] = raw
+    return out
+
+
+@functools.cache
+def _builtin_writers(timestamps: Timestamps) -> Mapping[str, _Writer]:
+    return {name: _make_writer(raw, timestamps) for name, raw in builtin_schemas().items()}
+
+
+def _make_writer(raw: Mapping[str, Any], timestamps: Timestamps) -> _Writer:
+    if not isinstance(raw, Mapping) or raw.get("type") != "record":
+        raise SchemaError("a tolk value schema must be a JSON object of type 'record'")
+    try:
+        raw_copy = copy.deepcopy(dict(raw))
+        encode_schema = fastavro.parse_schema(raw_copy)
+        if timestamps == "millis":
+            decode_schema = fastavro.parse_schema(_strip_timestamps(raw_copy))
+        else:
+            decode_schema = encode_schema
+        fp = schema_fingerprint(raw_copy)
+    except Exception as exc:
+        raise SchemaError(f"invalid Avro schema {raw.get('name')!r}: {exc}") from exc
+    return _Writer(_full_name(raw), fp, encode_schema, decode_schema)
+
+
+class AvroCodec:
+    """Encodes and decodes tolk's record values (see the module notes for the wire format).
+
+    ``schemas`` are the reader schemas by full name (default: the built-in ones); they are
+    also the schemas ``encode`` writes with. A codec is cheap to make and safe to share
+    between threads once its writer schemas are registered.
+    """
+
+    def __init__(
+        self,
+        schemas: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        registry: SchemaIds | None = None,
+        timestamps: Timestamps = "millis",
+    ) -> None:
+        if timestamps not in ("millis", "datetime"):
+            raise ValueError(f"timestamps must be 'millis' or 'datetime', not {timestamps!r}")
+        self._timestamps: Timestamps = timestamps
+        self._registry = registry
+        if schemas is None:
+            readers = dict(_builtin_writers(timestamps))
+        else:
+            readers = {}
+            for raw in schemas.values():
+                writer = _make_writer(raw, timestamps)
+                readers[writer.name] = writer
+        self._readers: dict[str, _Writer] = readers
+        self._aliases: dict[str, str] = {}
+        for name in readers:
+            short = name.rsplit(".", 1)[-1]
+            self._aliases[name] = name
+            self._aliases[short] = name
+            self._aliases[_snake(short)] = name
+        self._by_fingerprint: dict[bytes, _Writer] = {w.fingerprint: w for w in readers.values()}
+        self._by_id: dict[int, _Writer] = {}
+        self._id_of: dict[bytes, int] = {}
+        self._by_json: dict[str, _Writer] = {}
+        if registry is not None:
+            for name, schema_id in registry.ids.items():
+                current = self._readers.get(self._aliases.get(name, name))
+                if current is None:
+                    raise SchemaError(f"registry id given for unknown schema {name!r}")
+                self._by_id[schema_id] = current
+                self._id_of[current.fingerprint] = schema_id
+
+    # ------------------------------------------------------------------ schemas
+
+    @property
+    def names(self) -> list[str]:
+        """Full names of the reader schemas."""
+        return sorted(self._readers)
+
+    def resolve_name(self, name: str) -> str:
+        """``tolk.TranslationRequest``, ``TranslationRequest`` or ``translation_request``
+        -> the full name."""
+        try:
+            return self._aliases[name]
+        except KeyError:
+            raise SchemaError(f"unknown schema {name!r}; known: {', '.join(self.names)}") from None
+
+    def schema(self, name: str) -> Any:
+        """The parsed (fastavro) reader schema."""
+        return self._readers[self.resolve_name(name)].encode_schema
+
+    def fingerprint(self, name: str) -> bytes:
+        """The 8-byte fingerprint of the current schema ``name``."""
+        return self._readers[self.resolve_name(name)].fingerprint
+
+    def register_writer_schema(
+        self, schema: Mapping[str, Any], *, schema_id: int | None = None
+    ) -> bytes:
+        """Make another version of a schema known as a writer (older records to decode).
+
+        ``schema`` is a raw JSON schema. ``schema_id`` is its Schema Registry id, for values
+        in the Confluent wire format. Returns its fingerprint. Idempotent.
+        """
+        writer = self._writer_for(schema)
+        if schema_id is not None:
+            known = self._by_id.get(schema_id)
+            if known is not None and known.fingerprint != writer.fingerprint:
+                raise SchemaError(f"schema id {schema_id} is already taken by another schema")
+            self._by_id[schema_id] = writer
+            self._id_of.setdefault(writer.fingerprint, schema_id)
+        return writer.fingerprint
+
+    def _writer_for(self, schema: Mapping[str, Any]) -> _Writer:
+        key = json.dumps(schema, sort_keys=True)
+        writer = self._by_json.get(key)
+        if writer is None:
+            writer = _make_writer(schema, self._timestamps)
+            writer = self._by_fingerprint.setdefault(writer.fingerprint, writer)
+            self._by_json[key] = writer
+        return writer
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self, name_or_schema: str | Mapping[str, Any], record: Mapping[str, Any]) -> bytes:
+        """Encode ``record`` with the named reader schema or a raw writer schema.
+
+        Fields with defaults may be left out; unknown fields are an error.
+        """
+        if isinstance(name_or_schema, str):
+            writer = self._readers[self.resolve_name(name_or_schema)]
+        else:
+            writer = self._writer_for(name_or_schema)
+        if self._registry is not None:
+            schema_id = self._id_of.get(writer.fingerprint)
+            if schema_id is None:
+                raise SchemaError(
+                    f"no Schema Registry id configured for {writer.name} "
+                    f"(fingerprint {writer.fingerprint.hex()}); the codec never registers schemas"
+                )
+            header = struct.pack(">bI", CONFLUENT_MAGIC, schema_id)
+        else:
+            header = SINGLE_OBJECT_MAGIC + writer.fingerprint
+        buf = io.BytesIO()
+        buf.write(header)
+        try:
+            fastavro.schemaless_writer(
+                buf, writer.encode_schema, dict(record), strict_allow_default=True
+            )
+        except Exception as exc:
+            raise SchemaError(f"record does not fit {writer.name}: {exc}") from exc
+        return buf.getvalue()
+
+    # ------------------------------------------------------------------ decode
+
+    def writer_of(self, data: bytes) -> str:
+        """The full name of the schema that wrote ``data`` (from its header)."""
+        return self._writer_from_header(data)[0].name
+
+    def decode(self, name: str, data: bytes) -> dict[str, Any]:
+        """Decode ``data`` (either wire format) and resolve it to the reader schema ``name``."""
+        reader = self._readers[self.resolve_name(name)]
+        writer, offset = self._writer_from_header(data)
+        if writer.name != reader.name:
+            raise SchemaError(f"value was written as {writer.name}, expected {reader.name}")
+        reader_schema = None if writer.fingerprint == reader.fingerprint else reader.decode_schema
+        return self._read_body(data, offset, writer, reader_schema)
+
+    def decode_any(self, data: bytes) -> tuple[str, dict[str, Any]]:
+        """Decode with whatever known schema wrote ``data``: ``(full name, record)``."""
+        writer, offset = self._writer_from_header(data)
+        reader = self._readers.get(writer.name)
+        reader_schema = None
+        if reader is not None and reader.fingerprint != writer.fingerprint:
+            reader_schema = reader.decode_schema
+        return writer.name, self._read_body(data, offset, writer, reader_schema)
+
+    def _writer_from_header(self, data: bytes) -> tuple[_Writer, int]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise SchemaError(f"expected bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < SINGLE_OBJECT_HEADER_LEN:
+                raise SchemaError(f"truncated single-object header ({len(data)} bytes)")
+            fp = data[2:SINGLE_OBJECT_HEADER_LEN]
+            writer = self._by_fingerprint.get(fp)
+            if writer is None:
+                raise SchemaError(
+                    f"unknown writer schema fingerprint {fp.hex()}: written with a schema this "
+                    "process does not know (register it with register_writer_schema)"
+                )
+            return writer, SINGLE_OBJECT_HEADER_LEN
+        if data[:1] == bytes([CONFLUENT_MAGIC]):
+            if len(data) < CONFLUENT_HEADER_LEN:
+                raise SchemaError(f"truncated Confluent wire-format header ({len(data)} bytes)")
+            (schema_id,) = struct.unpack(">I", data[1:CONFLUENT_HEADER_LEN])
+            writer = self._by_id.get(schema_id)
+            if writer is None:
+                configured = "none configured" if not self._by_id else "not configured"
+                raise SchemaError(
+                    f"unknown Schema Registry id {schema_id} ({configured}); give ids with "
+                    "AvroCodec(registry=SchemaIds(...)) or register_writer_schema(schema_id=...)"
+                )
+            return writer, CONFLUENT_HEADER_LEN
+        head = data[:4].hex() or "empty"
+        raise SchemaError(
+            f"not a tolk Avro value: starts with {head}, expected c301 (single-object "
+            "encoding) or 00 (Confluent wire format)"
+        )
+
+    def _read_body(
+        self, data: bytes, offset: int, writer: _Writer, reader_schema: Any
+    ) -> dict[str, Any]:
+        buf = io.BytesIO(data)
+        buf.seek(offset)
+        try:
+            record = fastavro.schemaless_reader(buf, writer.decode_schema, reader_schema)
+        except Exception as exc:
+            raise SchemaError(f"malformed {writer.name} body: {type(exc).__name__}: {exc}") from exc
+        if buf.tell() != len(data):
+            raise SchemaError(
+                f"malformed {writer.name} body: {len(data) - buf.tell()} trailing bytes"
+            )
+        if not isinstance(record, dict):
+            raise SchemaError(f"malformed {writer.name} body: not a record")
+        return record
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+# ---------------------------------------------------------------------- convenience
+
+
+@functools.cache
+def default_codec() -> AvroCodec:
+    """A process-wide codec with the built-in schemas and single-object encoding."""
+    return AvroCodec()
+
+
+def encode_request(record: Mapping[str, Any]) -> bytes:
+    return default_codec().encode(REQUEST, record)
+
+
+def decode_request(data: bytes) -> dict[str, Any]:
+    return default_codec().decode(REQUEST, data)
+
+
+def encode_result(record: Mapping[str, Any]) -> bytes:
+    return default_codec().encode(RESULT, record)
+
+
+def decode_result(data: bytes) -> dict[str, Any]:
+    return default_codec().decode(RESULT, data)
+
+
+def encode_dead_letter(record: Mapping[str, Any]) -> bytes:
+    return default_codec().encode(DEAD_LETTER, record)
+
+
+def decode_dead_letter(data: bytes) -> dict[str, Any]:
+    return default_codec().decode(DEAD_LETTER, data)

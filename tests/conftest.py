@@ -1,0 +1,144 @@
+"""Shared fixtures: real models loaded once per session, and a minimal paged greedy driver.
+
+The model fixtures load the GGUF presets through `workers.engine.loader` (the first run
+dequantizes and caches them, ~80 s for Gemma; later runs read the cache). Tests that use them
+are marked `slow`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.attention import AttentionMetadata
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared public data sets (/work/shared/data, or $TOLK_DATA_DIR)."""
+    path = Path(os.environ.get("TOLK_DATA_DIR", "/work/shared/data"))
+    if not path.is_dir():
+        pytest.skip(f"data directory {path} not found")
+    return path
+
+
+def _load(preset: str) -> Any:
+    from workers.engine.loader import load_model
+
+    return load_model(preset, dtype=torch.float32, device="cpu")
+
+
+def _load_reference(preset: str) -> Any:
+    from workers.engine.loader import load_reference_hf_model
+
+    return load_reference_hf_model(preset)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """LoadedModel of SmolLM2-135M-Instruct (Llama), float32 on CPU."""
+    return _load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Any:
+    """LoadedModel of Gemma 3 270M base, float32 on CPU."""
+    return _load("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> Any:
+    """(transformers model, tokenizer) on the same dequantized SmolLM2 weights."""
+    return _load_reference("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference() -> Any:
+    """(transformers model, tokenizer) on the same dequantized Gemma 3 weights."""
+    return _load_reference("gemma3-270m")
+
+
+def split_evenly(n: int, parts: int) -> list[int]:
+    """End offsets of `parts` near-equal chunks of range(n)."""
+    parts = max(1, min(parts, n))
+    return [round(n * (i + 1) / parts) for i in range(parts)]
+
+
+@torch.inference_mode()
+def paged_greedy(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    block_size: int = 16,
+    prefill_chunks: int = 1,
+    shuffle_blocks: bool = False,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decoding through the paged cache, the way the engine drives the model.
+
+    All prompts are prefilled in `prefill_chunks` steps (each step one chunk of every prompt,
+    a mixed varlen batch when there are several prompts), then every step decodes one token
+    per sequence (a decode-only batch). Generates exactly `max_new_tokens` (no EOS stop).
+    Returns the token ids per prompt and, per step, the logits [B, vocab] that chose them.
+    """
+    cfg = model.config
+    device = model.embed.weight.device
+    n_per_seq = [math.ceil((len(p) + max_new_tokens) / block_size) for p in prompts]
+    ids = list(range(1, sum(n_per_seq) + 1))
+    if shuffle_blocks:
+        random.Random(0).shuffle(ids)  # scattered, non-contiguous block tables
+    tables, start = [], 0
+    for n in n_per_seq:
+        tables.append(ids[start : start + n])
+        start += n
+    model.allocate_kv_cache(
+        {g: len(ids) + 1 for g in cfg.kv_groups}, block_size, model.embed.weight.dtype, device
+    )
+
+    def step(chunks: list[list[int]], done: list[int]) -> torch.Tensor:
+        q_lens = [len(c) for c in chunks]
+        seq_lens = [d + q for d, q in zip(done, q_lens, strict=True)]
+        meta = AttentionMetadata.build(q_lens, seq_lens, tables, block_size, device)
+        input_ids = torch.tensor([t for c in chunks for t in c], device=device)
+        positions = torch.tensor(
+            [p for d, q in zip(done, q_lens, strict=True) for p in range(d, d + q)], device=device
+        )
+        hidden = model(input_ids, positions, {g: meta for g in cfg.kv_groups})  # [T, D]
+        last = torch.tensor(q_lens, device=device).cumsum(0) - 1  # each sequence's last token
+        return model.compute_logits(hidden[last])  # [B, V]
+
+    done = [0] * len(prompts)
+    bounds = [split_evenly(len(p), prefill_chunks) for p in prompts]
+    for i in range(max(len(b) for b in bounds)):
+        ends = [b[min(i, len(b) - 1)] for b in bounds]
+        chunks = [list(p[d:e]) for p, d, e in zip(prompts, done, ends, strict=True)]
+        if i > 0 and any(not c for c in chunks):
+            raise ValueError("prompts too short for that many prefill chunks")
+        logits = step(chunks, done)
+        done = [d + len(c) for d, c in zip(done, chunks, strict=True)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    history = []
+    for _ in range(max_new_tokens):
+        history.append(logits)
+        nxt = logits.argmax(-1).tolist()
+        for out, tok in zip(outputs, nxt, strict=True):
+            out.append(tok)
+        if len(outputs[0]) == max_new_tokens:
+            break
+        logits = step([[t] for t in nxt], done)
+        done = [d + 1 for d in done]
+    model.free_kv_cache()
+    return outputs, history
+
+
+@pytest.fixture(scope="session")
+def greedy() -> Any:
+    """The paged greedy driver (see `paged_greedy`)."""
+    return paged_greedy

@@ -1,0 +1,106 @@
+"""Engine behaviour on the real SmolLM2 weights: prefix cache, thread API, stop rules, deadlines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    UnsupportedLanguage,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def engine(smollm2: Any) -> Engine:
+    return Engine(smollm2, EngineConfig(kv_cache_tokens=4096, max_new_tokens=24))
+
+
+def test_prefix_is_shared_across_requests_of_a_language(engine: Engine) -> None:
+    a, na = engine.prompts.build("Where is my parcel?", "en", "de")
+    b, nb = engine.prompts.build("I want to cancel my subscription.", "en", "de")
+    assert na == nb and a[:na] == b[:nb]
+    c, _ = engine.prompts.build("Where is my parcel?", "en", "fr")
+    assert c[:na] != a[:na]  # another language, another prefix
+
+
+def test_warm_language_prefills_only_its_own_tokens(engine: Engine) -> None:
+    engine.warm(["de"])
+    prefix_len = len(engine.prompts.prefix_ids("de"))
+    full_blocks = prefix_len // engine.kv.block_size * engine.kv.block_size
+    before = engine.stats.prefill_tokens
+    req = engine.translation_request("Can you help me with my booking?", "en", "de")
+    (res,) = engine.generate([req])
+    assert res.ok and res.text
+    assert res.cached_tokens == full_blocks > 0
+    assert engine.stats.prefill_tokens - before == res.tokens_in - res.cached_tokens
+
+
+def test_cold_request_computes_everything(smollm2: Any) -> None:
+    cold = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=False))
+    (res,) = cold.generate([cold.translation_request("Thank you!", "en", "es")])
+    assert res.cached_tokens == 0
+    assert cold.stats.prefill_tokens == res.tokens_in
+
+
+def test_threaded_submit_and_callbacks(engine: Engine) -> None:
+    engine.start()
+    try:
+        got: list[str] = []
+        handles = [
+            engine.submit_translation(
+                request_id=f"r{i}", text=t, source_lang="en", target_lang=lang
+            )
+            for i, (t, lang) in enumerate(
+                [("Hello!", "de"), ("Good morning.", "fr"), ("Yes.", "it")]
+            )
+        ]
+        for h in handles:
+            h.add_done_callback(lambda r: got.append(r.request_id))
+        results = [h.result(timeout=120) for h in handles]
+        assert [r.request_id for r in results] == ["r0", "r1", "r2"]
+        assert all(r.ok and r.tokens_out > 0 for r in results)
+        assert sorted(got) == ["r0", "r1", "r2"]
+        assert all(r.timings.total_s >= r.timings.decode_s >= 0 for r in results)
+    finally:
+        engine.stop()
+
+
+def test_unknown_language_is_refused(engine: Engine) -> None:
+    with pytest.raises(UnsupportedLanguage, match="xx"):
+        engine.submit_translation(request_id="x", text="hi", source_lang="en", target_lang="xx")
+
+
+def test_expired_deadline_is_not_served(engine: Engine) -> None:
+    req = engine.translation_request("Hi", "en", "de", deadline=time.monotonic() - 1)
+    (res,) = engine.generate([req])
+    assert res.finish_reason is FinishReason.EXPIRED
+    assert res.tokens_out == 0 and "deadline" in res.error
+
+
+def test_cancel_running_request(engine: Engine) -> None:
+    req = GenerationRequest(
+        "long", engine.prompts.prefix_ids("de"), SamplingParams(200, ignore_eos=True)
+    )
+    h = engine.submit(req)
+    engine.step()
+    engine.step()
+    h.cancel()
+    engine.run_until_done()
+    res = h.result(0)
+    assert res.finish_reason is FinishReason.CANCELLED
+    assert engine.kv.usage() == 0.0
+
+
+def test_max_new_tokens_and_exact_length(engine: Engine) -> None:
+    req = engine.translation_request("Hello", "en", "de", max_new_tokens=7, ignore_eos=True)
+    (res,) = engine.generate([req])
+    assert res.finish_reason is FinishReason.LENGTH
+    assert res.tokens_out == 7 == len(res.token_ids)

@@ -1,0 +1,153 @@
+"""Scheduler: exact batches for tiny cases, with the real KV cache manager and no model."""
+
+from __future__ import annotations
+
+from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
+from workers.engine.scheduler import (
+    AdmissionDecision,
+    Scheduler,
+    SchedulerConfig,
+    SequenceState,
+)
+from workers.engine.types import FinishReason, GenerationRequest, SamplingParams
+from workers.fairness.vtc import FCFSQueue
+
+BS = 4
+
+
+def make(num_blocks: int = 32, budget: int = 8, max_seqs: int = 4, **kw) -> Scheduler:
+    kv = KVCacheManager([KVGroupSpec("full", num_blocks, BS, None)])
+    return Scheduler(SchedulerConfig(max_seqs, budget, 64), kv, FCFSQueue(), **kw)
+
+
+def req(rid: str, n: int, max_new: int = 3, deadline: float | None = None, base: int = 100):
+    ids = list(range(base, base + n))
+    return GenerationRequest(rid, ids, SamplingParams(max_new), deadline=deadline)
+
+
+def never_stop(seq: SequenceState, token: int):
+    if len(seq.output_ids) + 1 >= seq.request.params.max_new_tokens:
+        return FinishReason.LENGTH, True
+    return None, False
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {c.seq.request_id: token for c in out.chunks if c.samples}
+    return out, s.update_from_output(out, sampled, never_stop)
+
+
+def plan(out):
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_chunked_prefill_does_not_stall_decode():
+    s = make(budget=8)
+    s.add_request(req("a", 5))
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 0, 5)]  # whole prompt fits the budget
+    s.add_request(req("b", 12, base=500))
+    out, _ = run_step(s)
+    # a decodes one token, b gets the 7 tokens left of the budget
+    assert plan(out) == [("a", 5, 1), ("b", 0, 7)]
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 6, 1), ("b", 7, 5)]
+    assert [c.samples for c in out.chunks] == [True, True]
+
+
+def test_finished_sequence_frees_blocks_and_returns_output():
+    s = make()
+    s.add_request(req("a", 4, max_new=2))
+    free0 = s.kv.num_free_blocks("full")
+    _, fin = run_step(s)
+    assert fin == []
+    _, fin = run_step(s, token=9)
+    assert [f.request_id for f in fin] == ["a"]
+    assert fin[0].output_ids == [7, 9]
+    assert fin[0].finish_reason is FinishReason.LENGTH
+    assert s.kv.num_free_blocks("full") == free0
+    assert not s.has_work()
+
+
+def test_prefix_cache_hit_skips_cached_blocks():
+    s = make(budget=64)
+    s.add_request(req("a", 10))
+    run_step(s)  # computes 10 tokens: blocks [0..3], [4..7] become full and cached
+    s.add_request(req("b", 10))
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 10, 1), ("b", 8, 2)]
+    assert s.running[1].num_cached == 8
+
+
+def test_expired_request_is_not_prefilled():
+    clock = [100.0]
+    s = make(clock=lambda: clock[0])
+    s.add_request(req("late", 4, deadline=99.0))
+    s.add_request(req("ok", 4, deadline=200.0))
+    out, fin = run_step(s)
+    assert plan(out) == [("ok", 0, 4)]
+    assert [(f.request_id, f.finish_reason) for f in fin] == [("late", FinishReason.EXPIRED)]
+    assert "deadline passed" in fin[0].error
+
+
+def test_admission_hook_rejects():
+    def hook(r, now, running, cached):
+        if r.request_id == "no":
+            return AdmissionDecision(False, FinishReason.REJECTED, "would miss its deadline")
+        return AdmissionDecision(True)
+
+    s = make(admission=hook)
+    s.add_request(req("no", 4))
+    s.add_request(req("yes", 4))
+    out, fin = run_step(s)
+    assert plan(out) == [("yes", 0, 4)]
+    assert fin[0].finish_reason is FinishReason.REJECTED
+
+
+def test_preemption_when_pool_is_full_and_resume_from_cache():
+    # 6 usable blocks: a (8 tokens = 2 blocks) and b (12 tokens = 3 blocks) fill 5 blocks.
+    s = make(num_blocks=7, budget=32)
+    s.add_request(req("a", 8, max_new=8, base=0))
+    s.add_request(req("b", 12, max_new=8, base=50))
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 0, 8), ("b", 0, 12)]
+    # a needs a third block at position 8 -> ok (6th block); b needs a 4th at 12 -> none left,
+    # so b (the newest) is preempted.
+    out, _ = run_step(s)
+    assert plan(out) == [("a", 8, 1)]
+    assert out.preempted == ["b"]
+    assert s.preempted[0].request_id == "b"
+    # keep stepping until a finishes; b resumes, reusing its cached full blocks
+    for _ in range(10):
+        out, fin = run_step(s)
+        if any(c.seq.request_id == "b" for c in out.chunks):
+            break
+    b_chunk = next(c for c in out.chunks if c.seq.request_id == "b")
+    # b's 3 full blocks went to the LRU when it was preempted; a's 4th block (position 12)
+    # evicted the tail one, so b resumes from its first 2 cached blocks.
+    assert b_chunk.start == 8
+
+
+def test_cancel_waiting_and_running():
+    s = make()
+    s.add_request(req("run", 4))
+    run_step(s)
+    s.add_request(req("wait", 4))
+    s.cancel("run")
+    s.cancel("wait")
+    out, fin = run_step(s)
+    assert out.chunks == []
+    assert sorted((f.request_id, f.finish_reason) for f in fin) == [
+        ("run", FinishReason.CANCELLED),
+        ("wait", FinishReason.CANCELLED),
+    ]
+    assert s.kv.num_free_blocks("full") == 31
+
+
+def test_max_num_seqs_caps_batch():
+    s = make(budget=64, max_seqs=2)
+    for r in "abc":
+        s.add_request(req(r, 4, base=ord(r) * 10))
+    out, _ = run_step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["a", "b"]
+    assert s.num_waiting == 1

@@ -1,0 +1,150 @@
+"""paged_attention / write_kv against a plain dense causal attention in torch.
+
+Each case scatters random sequences over shuffled block ids of a pool filled with garbage, writes
+their K/V through `write_kv`, and compares the paged op with dense attention over contiguous K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from kernels import get_op
+from kernels.attention import AttentionMetadata, paged_attention, write_kv
+
+# (num_heads, num_kv_heads, head_dim): MHA, GQA 4:1, SmolLM2's 9:3
+HEAD_SHAPES = [(4, 4, 16), (8, 2, 32), (9, 3, 64)]
+BLOCK_SIZES = [4, 16]
+WINDOWS = [None, 5, 20]
+# (query_len, seq_len) per sequence
+BATCHES = {
+    "decode": [(1, 1), (1, 9), (1, 33), (1, 64), (1, 16)],
+    "mixed": [(5, 5), (1, 17), (8, 30), (1, 3), (3, 40), (16, 16)],
+}
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def dense_reference(q, k, v, scale, window, softcap=None):
+    """q [Lq, H, D] are the last Lq positions of k/v [S, KVH, D]; float32 math."""
+    lq, h, _ = q.shape
+    s, kvh, _ = k.shape
+    q, k, v = q.float(), k.float(), v.float()
+    k = k.repeat_interleave(h // kvh, dim=1)
+    v = v.repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, Lq, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(s - lq, s)[:, None]
+    k_pos = torch.arange(s)[None, :]
+    valid = k_pos <= q_pos
+    if window is not None:
+        valid &= k_pos > q_pos - window
+    scores = scores.masked_fill(~valid, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # [Lq, H, D]
+
+
+def make_case(seqs, heads, block_size, window, dtype, seed=0):
+    h, kvh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    n_blocks = [math.ceil(s / block_size) for _, s in seqs]
+    num_blocks = sum(n_blocks) + 3  # + null block + spare
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype) * 3
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype) * 3
+    k_cache[0] = 0  # the null block is never written: zeros, like allocate_kv_cache
+    v_cache[0] = 0
+    tables, ks, vs, qs = [], [], [], []
+    for (q_len, s_len), n in zip(seqs, n_blocks, strict=True):
+        table = [ids.pop() for _ in range(n)]
+        k = torch.randn(s_len, kvh, d, generator=gen).to(dtype)
+        v = torch.randn(s_len, kvh, d, generator=gen).to(dtype)
+        # the cached prefix was written by earlier steps
+        if s_len > q_len:
+            n_cached = s_len - q_len
+            cached = AttentionMetadata.build([n_cached], [n_cached], [table], block_size)
+            write_kv(k[: s_len - q_len], v[: s_len - q_len], k_cache, v_cache, cached.slot_mapping)
+        if window is not None:  # blocks wholly out of every query's window are freed (null)
+            first_needed = max(0, s_len - q_len - window + 1) // block_size
+            table = [0] * first_needed + table[first_needed:]
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+        qs.append(torch.randn(q_len, h, d, generator=gen).to(dtype))
+    meta = AttentionMetadata.build([q for q, _ in seqs], [s for _, s in seqs], tables, block_size)
+    new_k = torch.cat([k[s - q :] for k, (q, s) in zip(ks, seqs, strict=True)])
+    new_v = torch.cat([v[s - q :] for v, (q, s) in zip(vs, seqs, strict=True)])
+    write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
+    return torch.cat(qs), k_cache, v_cache, meta, qs, ks, vs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+def test_paged_attention_matches_dense(heads, block_size, window, batch, dtype):
+    seqs = BATCHES[batch]
+    q, k_cache, v_cache, meta, qs, ks, vs = make_case(seqs, heads, block_size, window, dtype)
+    assert meta.decode_only == (batch == "decode")
+    scale = heads[2] ** -0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale, window)
+    expected = torch.cat(
+        [dense_reference(qb, kb, vb, scale, window) for qb, kb, vb in zip(qs, ks, vs, strict=True)]
+    )
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_decode_path_equals_varlen_path(window, softcap):
+    q, k_cache, v_cache, meta, *_ = make_case(BATCHES["decode"], (8, 2, 32), 4, window, torch.float32)
+    fast = paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
+    slow_meta = dataclasses.replace(meta, decode_only=False)
+    slow = paged_attention(q, k_cache, v_cache, slow_meta, 0.3, window, softcap)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_matches_dense():
+    seqs = BATCHES["mixed"]
+    q, k_cache, v_cache, meta, qs, ks, vs = make_case(seqs, (4, 2, 16), 4, None, torch.float32)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.5, None, softcap=2.0)
+    expected = torch.cat(
+        [dense_reference(a, b, c, 0.5, None, 2.0) for a, b, c in zip(qs, ks, vs, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_write_kv_slots():
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    meta = AttentionMetadata.build([3], [3], [[2, 1]], block_size=2)
+    assert meta.slot_mapping.tolist() == [4, 5, 2]
+    k = torch.arange(1.0, 4.0)[:, None, None].expand(3, 1, 3)
+    write_kv(k, -k, k_cache, v_cache, meta.slot_mapping)
+    assert k_cache[2, :, 0, 0].tolist() == [1.0, 2.0]
+    assert k_cache[1, :, 0, 0].tolist() == [3.0, 0.0]
+    assert v_cache[2, 1, 0, 0].item() == -2.0
+    assert k_cache[0].abs().sum() == 0 and k_cache[3].abs().sum() == 0
+
+
+def test_build_metadata():
+    meta = AttentionMetadata.build([4, 1], [4, 10], [[3], [5, 6, 7]], block_size=4)
+    assert meta.query_start_loc.tolist() == [0, 4, 5]
+    assert meta.block_tables.tolist() == [[3, 0, 0], [5, 6, 7]]
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 7 * 4 + 1]
+    assert meta.max_seq_len == 10 and not meta.decode_only
+
+
+def test_registry_returns_cpu_reference():
+    assert get_op("paged_attention", "cpu") is paged_attention
+    assert get_op("write_kv", torch.device("cpu")) is write_kv
+    with pytest.raises(KeyError):
+        get_op("no_such_op", "cpu")

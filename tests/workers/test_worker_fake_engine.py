@@ -1,0 +1,431 @@
+"""Worker logic against in-memory Kafka (tests/workers/fakes.py) and the fake engine.
+
+Fast and deterministic: validation, dead letters, duplicates, intake pauses, commits and
+shutdown. test_worker_kafka.py runs the same kinds of traffic through the real broker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError
+from prometheus_client import CollectorRegistry
+
+from schemas.codec import decode_dead_letter, decode_result, encode_request, encode_result
+from tests.workers.fakes import FAIL_MARKER, FakeBroker, FakeEngine, fake_translation
+from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
+from workers.engine.types import FinishReason
+from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy
+from workers.results_store import InMemoryResultStore
+from workers.settings import Settings
+from workers.worker import STATUS_OF, Worker
+
+LANGS = ("en", "de", "fr", "es", "it")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def request_bytes(
+    rid: str,
+    text: str = "hello big world",
+    target: str = "de",
+    src: str = "en",
+    reply_topic: str = REPLIES,
+    deadline: int | None = None,
+) -> bytes:
+    return encode_request(
+        {
+            "request_id": rid,
+            "conversation_id": None,
+            "source_lang": src,
+            "target_lang": target,
+            "text": text,
+            "created_at": now_ms(),
+            "deadline": deadline,
+            "reply_topic": reply_topic,
+            "metadata": {},
+        }
+    )
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what or pred}")
+
+
+@dataclass
+class Rig:
+    broker: FakeBroker
+    engine: FakeEngine
+    store: InMemoryResultStore
+    worker: Worker
+    thread: threading.Thread
+    registry: CollectorRegistry
+
+    def send(self, value: bytes | None, lang: str = "de", key: bytes | None = None) -> None:
+        topic = request_topic(lang)
+        partition = hash(key or b"") % len(self.broker.topics[topic])
+        self.broker.append(topic, key, value, partition)
+
+    def replies(self, topic: str = REPLIES) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for _k, v in self.broker.records(topic):
+            assert v is not None
+            r = decode_result(v)
+            out[r["request_id"]] = r
+        return out
+
+    def reply_count(self, topic: str = REPLIES) -> int:
+        return len(self.broker.records(topic))
+
+    def dead_letters(self) -> list[dict[str, Any]]:
+        return [decode_dead_letter(v) for _k, v in self.broker.records(DEAD_LETTERS) if v]
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def committed(self) -> int:
+        """Sum of committed offsets over the request topics."""
+        return sum(o for (_g, t, _p), o in self.broker.committed.items() if t.startswith("tolk."))
+
+    def sent(self) -> int:
+        return sum(len(p) for t, ps in self.broker.topics.items() if "requests" in t for p in ps)
+
+
+def make_rig(**settings_kw: Any) -> Rig:
+    broker = FakeBroker()
+    for lang in LANGS:
+        broker.create_topic(request_topic(lang), 2)
+    broker.create_topic(REPLIES, 1)
+    broker.create_topic(DEAD_LETTERS, 1)
+    engine = settings_kw.pop("engine", None) or FakeEngine()
+    store = InMemoryResultStore()
+    kw: dict[str, Any] = {
+        "metrics_port": 0,
+        "worker_id": "w-test",
+        "commit_interval_s": 0.05,
+        "drain_timeout_s": 2.0,
+        "poll_timeout_s": 0.01,
+    }
+    kw.update(settings_kw)
+    registry = CollectorRegistry()
+    worker = Worker(
+        Settings(**kw),
+        engine,
+        broker.consumer_factory(),
+        broker.producer_factory(),
+        store=store,
+        registry=registry,
+    )
+    thread = worker.run_in_thread()
+    return Rig(broker, engine, store, worker, thread, registry)
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = make_rig()
+    yield r
+    r.worker.stop()
+    r.thread.join(10)
+    assert not r.thread.is_alive()
+
+
+def test_translates_every_request_once_and_commits(rig: Rig) -> None:
+    ids = []
+    for i in range(40):
+        lang = LANGS[1 + i % 4]
+        rid = f"r{i}"
+        ids.append((rid, lang, f"sentence number {i}"))
+        rig.send(request_bytes(rid, f"sentence number {i}", target=lang), lang, key=rid.encode())
+    wait_for(lambda: rig.reply_count() == 40, what="40 replies")
+    replies = rig.replies()
+    for rid, lang, text in ids:
+        r = replies[rid]
+        assert r["status"] == "OK", r
+        assert r["text"] == fake_translation(text, lang)
+        assert r["target_lang"] == lang and r["source_lang"] == "en"
+        assert r["model_version"] == "fake-1" and r["worker_id"] == "w-test"
+        assert r["tokens_out"] == len(r["text"].split()) and r["cached_prefix_tokens"] == 10
+        assert r["timings"]["total_ms"] >= r["timings"]["queue_ms"] >= 0
+        assert rig.store.get(rid) is not None
+    # reply keys are the request ids
+    assert {k for k, _ in rig.broker.records(REPLIES)} == {rid.encode() for rid, _, _ in ids}
+    wait_for(lambda: rig.committed() == 40, what="all offsets committed")
+    assert rig.metric("tolk_worker_requests_total", lang="de", status="OK") == 10
+    assert rig.metric("tolk_worker_tokens_generated_total", lang="fr") > 0
+
+
+def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
+    past = now_ms() - 5_000
+    rig.send(b"\x00\x01garbage", "de", key=b"k-garbage")  # undecodable
+    rig.send(b"", "fr")  # empty value
+    rig.send(request_bytes("bad-lang", target="xx"), "de")
+    rig.send(request_bytes("wrong-topic", target="fr"), "de")
+    rig.send(request_bytes("bad-src", src="zz"), "de")
+    rig.send(request_bytes("empty", text="   "), "de")
+    rig.send(request_bytes("huge", text="a" * 100_001), "de")
+    rig.send(request_bytes("late", deadline=past), "de")
+    rig.send(request_bytes("no-reply-topic", reply_topic="tolk.nowhere"), "de")
+    rig.send(request_bytes("illegal-reply-topic", reply_topic="bad topic!"), "de")
+    rig.send(request_bytes("boom", text=f"x {FAIL_MARKER}"), "de")
+    rig.send(request_bytes("", text="no id"), "de")
+    rig.send(request_bytes("good", text="still works", target="it"), "it")
+
+    wait_for(lambda: rig.reply_count() == 8, what="8 replies")
+    wait_for(lambda: len(rig.dead_letters()) == 5, what="5 dead letters")
+    replies = rig.replies()
+    expect = {
+        "bad-lang": ("REJECTED", "unknown target language 'xx'"),
+        "wrong-topic": ("REJECTED", "does not match topic"),
+        "bad-src": ("REJECTED", "unknown source language 'zz'"),
+        "empty": ("REJECTED", "text is empty"),
+        "huge": ("REJECTED", "100001 bytes; the limit is 100000"),
+        "late": ("EXPIRED", "deadline passed"),
+        "boom": ("ERROR", "fake failure"),
+    }
+    for rid, (status, fragment) in expect.items():
+        assert replies[rid]["status"] == status, replies[rid]
+        assert fragment in (replies[rid]["error"] or ""), replies[rid]
+        assert replies[rid]["text"] == ""
+    assert replies["good"]["status"] == "OK"
+    assert replies["good"]["text"] == fake_translation("still works", "it")
+
+    dls = rig.dead_letters()
+    reasons = sorted(d["reason"] for d in dls)
+    assert reasons == [
+        "invalid",
+        "reply_topic_missing",
+        "reply_topic_missing",
+        "undecodable",
+        "undecodable",
+    ]
+    garbage = next(d for d in dls if d["key"] == b"k-garbage")
+    assert garbage["original"] == b"\x00\x01garbage"
+    assert garbage["topic"] == request_topic("de") and "SchemaError" in garbage["exception"]
+    missing = next(d for d in dls if "tolk.nowhere" in (d["exception"] or ""))
+    assert "does not exist" in missing["exception"]
+    assert rig.thread.is_alive()
+    wait_for(lambda: rig.committed() == rig.sent(), what="every offset committed")
+    assert rig.metric("tolk_worker_dead_letters_total", reason="undecodable") == 2
+    assert rig.metric("tolk_worker_errors_total", lang="de", reason="too_large") == 1
+
+
+def test_deadline_reaching_the_engine_is_converted_to_monotonic() -> None:
+    r = make_rig(engine=FakeEngine(delay_s=0.3))
+    try:
+        r.send(request_bytes("tight", deadline=now_ms() + 100), "de")
+        r.send(request_bytes("loose", deadline=now_ms() + 60_000), "de")
+        wait_for(lambda: r.reply_count() == 2)
+        replies = r.replies()
+        assert replies["tight"]["status"] == "EXPIRED"
+        assert replies["loose"]["status"] == "OK"
+    finally:
+        r.worker.stop()
+        r.thread.join(10)
+
+
+def test_stored_result_is_reused_without_recompute(rig: Rig) -> None:
+    stored = encode_result(
+        {
+            "request_id": "seen",
+            "status": "OK",
+            "text": "from the store",
+            "error": None,
+            "model_version": "older",
+            "source_lang": "en",
+            "target_lang": "de",
+            "timings": {"queue_ms": 1.0, "prefill_ms": 1.0, "decode_ms": 1.0, "total_ms": 3.0},
+            "tokens_in": 1,
+            "tokens_out": 3,
+            "cached_prefix_tokens": 0,
+            "worker_id": "w-old",
+            "completed_at": now_ms(),
+            "conversation_id": None,
+        }
+    )
+    rig.store.put("seen", stored)
+    puts = rig.store.puts
+    rig.send(request_bytes("seen", deadline=now_ms() - 1000), "de")  # late now, answered before
+    wait_for(lambda: rig.reply_count() == 1)
+    assert rig.broker.records(REPLIES)[0][1] == stored  # byte for byte
+    assert "seen" not in rig.engine.submitted
+    assert rig.metric("tolk_worker_duplicates_total") == 1
+    assert rig.store.puts == puts  # not stored again
+    wait_for(lambda: rig.committed() == 1)
+
+
+def test_same_request_id_in_flight_is_translated_once(rig: Rig) -> None:
+    rig.engine.hold()
+    rig.send(request_bytes("twice", text="one two"), "de", key=b"a")
+    rig.send(request_bytes("twice", text="one two"), "de", key=b"a")
+    wait_for(lambda: rig.engine.pending() == 1 and rig.metric("tolk_worker_duplicates_total") == 1)
+    rig.engine.release()
+    wait_for(lambda: rig.reply_count() == 2)
+    assert rig.engine.submitted == ["twice"]
+    texts = {decode_result(v)["text"] for _k, v in rig.broker.records(REPLIES) if v}
+    assert texts == {fake_translation("one two", "de")}
+    wait_for(lambda: rig.committed() == 2)
+
+
+def test_intake_pauses_a_flooded_language_and_resumes_at_low_water() -> None:
+    policies = dict(DEFAULT_POLICIES)
+    policies["de"] = LanguagePolicy(weight=4.0, slo_p99_s=2.0, max_queue=4, max_new_tokens=64)
+    r = make_rig(policies=policies)
+    try:
+        r.engine.hold()
+        for i in range(6):  # fetched in one poll: all accepted, depth 6 >= high water 4
+            r.send(request_bytes(f"de{i}"), "de", key=str(i).encode())
+        wait_for(lambda: r.worker.paused_languages() == {"de"}, what="de paused")
+        for i in range(6, 30):  # arrive while paused: not fetched
+            r.send(request_bytes(f"de{i}"), "de", key=str(i).encode())
+        # the other languages keep flowing while German is paused
+        r.send(request_bytes("fr1", target="fr"), "fr")
+        wait_for(lambda: "fr1" in r.engine.submitted, what="fr accepted while de paused")
+        time.sleep(0.1)
+        assert r.worker.paused_languages() == {"de"}
+        assert r.engine.pending() == 7  # 6 German + 1 French
+        wait_for(lambda: r.metric("tolk_worker_paused", lang="de") == 1, what="paused gauge")
+        assert r.metric("tolk_worker_in_flight", lang="de") == 6
+        r.engine.release()
+        wait_for(lambda: r.reply_count() == 31, what="all answered after resume")
+        assert r.worker.paused_languages() == set()
+    finally:
+        r.worker.stop()
+        r.thread.join(10)
+
+
+def test_global_in_flight_cap_pauses_everything() -> None:
+    r = make_rig(max_in_flight=3)
+    try:
+        r.engine.hold()
+        for i in range(6):
+            r.send(request_bytes(f"x{i}", target="fr"), "fr", key=str(i).encode())
+        wait_for(lambda: r.worker.paused_languages() == set(LANGS), what="all paused")
+        r.engine.release()
+        wait_for(lambda: r.reply_count() == 6)
+        wait_for(lambda: r.worker.paused_languages() == set(), what="all resumed")
+    finally:
+        r.worker.stop()
+        r.thread.join(10)
+
+
+def test_reply_delivery_failure_becomes_dead_letter(rig: Rig) -> None:
+    producer = None
+    wait_for(lambda: rig.worker._producer is not None)
+    producer = rig.worker._producer
+    producer.fail_next[REPLIES] = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    rig.send(request_bytes("lost-reply"), "de")
+    wait_for(lambda: len(rig.dead_letters()) == 1)
+    dl = rig.dead_letters()[0]
+    assert dl["reason"] == "reply_topic_missing"
+    assert rig.store.get("lost-reply") is None  # only delivered replies are stored
+    wait_for(lambda: rig.committed() == 1)
+
+
+def test_graceful_stop_drains_in_flight_commits_and_stops_engine() -> None:
+    r = make_rig(engine=FakeEngine(delay_s=0.3))
+    for i in range(5):
+        r.send(request_bytes(f"s{i}"), "de")
+    wait_for(lambda: r.worker.in_flight() == 5 or r.reply_count() > 0)
+    r.worker.stop()
+    r.thread.join(10)
+    assert not r.thread.is_alive()
+    assert r.reply_count() == 5
+    assert r.committed() == 5
+    assert r.engine.stopped == 1
+    assert r.worker.stopped_event.is_set()
+
+
+def test_crash_leaves_offsets_uncommitted_and_successor_reuses_results() -> None:
+    r = make_rig(commit_interval_s=3600.0, commit_every=10**9)
+    for i in range(6):
+        r.send(request_bytes(f"c{i}", text=f"word {i}"), "es" if i % 2 else "it")
+    wait_for(lambda: r.reply_count() == 6)
+    wait_for(lambda: len(r.store) == 6)
+    r.worker.crash()
+    r.thread.join(10)
+    assert r.committed() == 0
+    # a new worker in the same group reads everything again
+    engine2 = FakeEngine()
+    registry2 = CollectorRegistry()
+    w2 = Worker(
+        Settings(metrics_port=0, worker_id="w2", commit_interval_s=0.05),
+        engine2,
+        r.broker.consumer_factory(),
+        r.broker.producer_factory(),
+        store=r.store,
+        registry=registry2,
+    )
+    t2 = w2.run_in_thread()
+    try:
+        wait_for(lambda: r.reply_count() == 12)
+        assert engine2.submitted == []
+        assert registry2.get_sample_value("tolk_worker_duplicates_total") == 6
+        first, second = r.broker.records(REPLIES)[:6], r.broker.records(REPLIES)[6:]
+        assert sorted(v for _k, v in first if v) == sorted(v for _k, v in second if v)
+        wait_for(lambda: r.committed() == 6)
+    finally:
+        w2.stop()
+        t2.join(10)
+
+
+def test_revoke_commits_first() -> None:
+    r = make_rig(commit_interval_s=3600.0, commit_every=10**9)
+    try:
+        for i in range(3):
+            r.send(request_bytes(f"v{i}"), "de", key=b"same")
+        wait_for(lambda: r.reply_count() == 3)
+        wait_for(lambda: r.worker.tracker.total_pending() == 0)
+        assert r.committed() == 0
+        consumer = r.worker._consumer
+        r.worker.stop()  # the loop is stopping; call the revoke path as librdkafka would
+        r.thread.join(10)
+        assert r.committed() == 3  # shutdown commit
+        consumer.revoke_all()  # revoking after the commit is a no-op
+        assert r.worker.tracker.assigned() == frozenset()
+    finally:
+        r.worker.stop()
+
+
+def test_status_mapping_covers_every_finish_reason() -> None:
+    assert set(STATUS_OF) == set(FinishReason)
+    assert STATUS_OF[FinishReason.STOP] == STATUS_OF[FinishReason.LENGTH] == "OK"
+    assert STATUS_OF[FinishReason.CANCELLED] == "ERROR"
+
+
+def test_settings_from_env_and_secret_masking() -> None:
+    s = Settings.from_env(
+        {
+            "TOLK_LANGUAGES": "de, FR,,de",
+            "TOLK_SASL_PASSWORD": "hunter2",
+            "TOLK_MAX_TEXT_BYTES": "10",
+            "TOLK_POLICIES": "de:5:1.5:8",
+        },
+        metrics_port=0,
+    )
+    assert s.languages == ("de", "fr")
+    assert s.max_text_bytes == 10 and s.metrics_port == 0
+    assert s.policies["de"].max_queue == 8 and s.policies["it"] == DEFAULT_POLICIES["it"]
+    assert "hunter2" not in repr(s) and "***" in repr(s)
+    assert s.kafka_common()["sasl.password"] == "hunter2"
+    assert Settings(worker_id="x").group_id == "tolk-workers"
+    with pytest.raises(ValueError, match="TOLK_MAX_IN_FLIGHT"):
+        Settings.from_env({"TOLK_MAX_IN_FLIGHT": "many"})
+    with pytest.raises(AttributeError):
+        s.bootstrap = "x"  # type: ignore[misc]
+
+
+def test_unique_ids_do_not_collide_between_rigs() -> None:
+    assert uuid.uuid4() != uuid.uuid4()

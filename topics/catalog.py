@@ -1,0 +1,108 @@
+"""Every Kafka topic tolk uses, declared in one place.
+
+Requests go to one topic per *target* language, ``tolk.requests.<lang>``: the worker's
+per-language fair share pauses and resumes whole topics, and the partition count caps how
+many workers share one language. Results go to the request's ``reply_topic``, normally
+``tolk.replies``. Records the worker cannot handle go, byte for byte, to
+``tolk.dead-letters``. Keys are UTF-8 strings (the conversation id, else the request id),
+so one conversation stays on one partition and in order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from schemas.codec import DEAD_LETTER, REQUEST, RESULT
+
+REQUEST_TOPIC_PREFIX = "tolk.requests."
+REPLIES = "tolk.replies"
+DEAD_LETTERS = "tolk.dead-letters"
+
+_DAY_MS = 24 * 60 * 60 * 1000
+REQUEST_RETENTION_MS = 7 * _DAY_MS  # long enough to replay a week for A/B comparisons
+REPLY_RETENTION_MS = 1 * _DAY_MS  # clients read replies within seconds
+DEAD_LETTER_RETENTION_MS = 30 * _DAY_MS  # kept for a person to look at
+
+# A language code as it appears in a topic name: lowercase letters, digits, '-' or '_'
+# (e.g. "de", "pt-br", "zh_hant"); Kafka allows [a-zA-Z0-9._-] and '.' is our separator.
+_LANG_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic as tolk expects it."""
+
+    name: str
+    partitions: int
+    config: Mapping[str, str] = field(default_factory=dict)  # topic-level configs
+    value_schema: str = ""  # full Avro name of the value schema (schemas/*.avsc)
+    key_schema: str = "string"  # keys are UTF-8 strings
+    replication_factor: int = -1  # -1: the broker's default.replication.factor
+
+    def __post_init__(self) -> None:
+        if self.partitions < 1:
+            raise ValueError(f"{self.name}: partitions must be >= 1, not {self.partitions}")
+
+
+def request_topic(lang: str, prefix: str = "") -> str:
+    """``"de"`` -> ``"tolk.requests.de"``; ``prefix`` (tests, tenants) goes in front."""
+    if not _LANG_RE.match(lang):
+        raise ValueError(
+            f"invalid language code for a topic name: {lang!r} "
+            "(lowercase letters, digits, '-' or '_', at most 32)"
+        )
+    return prefix + REQUEST_TOPIC_PREFIX + lang
+
+
+def replies_topic(prefix: str = "") -> str:
+    return prefix + REPLIES
+
+
+def dead_letters_topic(prefix: str = "") -> str:
+    return prefix + DEAD_LETTERS
+
+
+def language_of(topic: str, prefix: str = "") -> str | None:
+    """``"tolk.requests.de"`` -> ``"de"``; None for topics that are not request topics."""
+    head = prefix + REQUEST_TOPIC_PREFIX
+    if not topic.startswith(head):
+        return None
+    lang = topic[len(head) :]
+    return lang if _LANG_RE.match(lang) else None
+
+
+def catalog(languages: Sequence[str], partitions: int = 3, *, prefix: str = "") -> list[TopicSpec]:
+    """Every topic for a deployment serving ``languages`` (target languages), in a stable
+    order: the request topics (as given, duplicates dropped), the replies, the dead letters.
+    ``prefix`` goes in front of every name (``Settings.topic_prefix``: tests, tenants)."""
+    if isinstance(languages, str):
+        raise TypeError("languages must be a sequence of codes, not one string")
+    specs: list[TopicSpec] = []
+    for lang in dict.fromkeys(languages):
+        specs.append(
+            TopicSpec(
+                name=request_topic(lang, prefix),
+                partitions=partitions,
+                config={"retention.ms": str(REQUEST_RETENTION_MS), "cleanup.policy": "delete"},
+                value_schema=REQUEST,
+            )
+        )
+    specs.append(
+        TopicSpec(
+            name=replies_topic(prefix),
+            partitions=partitions,
+            config={"retention.ms": str(REPLY_RETENTION_MS), "cleanup.policy": "delete"},
+            value_schema=RESULT,
+        )
+    )
+    specs.append(
+        TopicSpec(
+            name=dead_letters_topic(prefix),
+            partitions=1,
+            config={"retention.ms": str(DEAD_LETTER_RETENTION_MS), "cleanup.policy": "delete"},
+            value_schema=DEAD_LETTER,
+        )
+    )
+    return specs

@@ -1,0 +1,381 @@
+"""asyncio client for bots: send a TranslationRequest, await the matching TranslationResult.
+
+    async with TranslationClient("127.0.0.1:9092") as client:
+        reply = await client.translate("Good morning", to="de", src="en", deadline=5)
+        print(reply.text)
+
+Requests go to `tolk.requests.<to>` with a fresh request id (uuid4) and `reply_topic` set to
+the client's reply topic (default `tolk.replies`, shared with other clients). The client reads
+that topic with a consumer group of its own (one per client instance, so every client sees every
+reply) and resolves the future whose request id matches; replies for other clients are ignored.
+
+No reply may be missed: on assignment the client pins each reply partition at its current end
+(the high watermark, what `auto.offset.reset=latest` means) before it lets the first request
+out, so every reply to a request sent afterwards lies at or after the pinned offset.
+
+confluent-kafka is blocking, so one background thread polls the consumer (and serves the
+producer's delivery reports) and hands results to the event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from schemas.codec import SchemaError, decode_result, encode_request
+from topics.catalog import REPLIES, request_topic
+
+__all__ = [
+    "TranslationClient",
+    "TranslationError",
+    "TranslationFailed",
+    "TranslationReply",
+    "TranslationTimeout",
+]
+
+log = logging.getLogger(__name__)
+
+
+class TranslationError(RuntimeError):
+    """Base of the client's errors."""
+
+
+class TranslationTimeout(TranslationError, TimeoutError):
+    """No reply arrived in time."""
+
+    def __init__(self, request_id: str, waited_s: float, detail: str = "") -> None:
+        self.request_id = request_id
+        self.waited_s = waited_s
+        super().__init__(
+            f"no reply to request {request_id} after {waited_s:.1f}s"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+class TranslationFailed(TranslationError):
+    """The worker answered with a status other than OK."""
+
+    def __init__(self, status: str, error: str | None, reply: TranslationReply | None = None):
+        self.status = status
+        self.error = error
+        self.reply = reply
+        rid = f" for request {reply.request_id}" if reply else ""
+        super().__init__(f"translation {status}{rid}: {error or 'no reason given'}")
+
+
+@dataclass(frozen=True, slots=True)
+class TranslationReply:
+    """A decoded TranslationResult."""
+
+    request_id: str
+    status: str  # OK / ERROR / REJECTED / EXPIRED
+    text: str
+    error: str | None
+    model_version: str
+    source_lang: str
+    target_lang: str
+    timings: Mapping[str, float]  # queue_ms, prefill_ms, decode_ms, total_ms
+    tokens_in: int
+    tokens_out: int
+    cached_prefix_tokens: int
+    worker_id: str
+    completed_at: int  # epoch millis
+    conversation_id: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK"
+
+    @classmethod
+    def from_record(cls, r: Mapping[str, Any]) -> TranslationReply:
+        return cls(
+            request_id=r["request_id"],
+            status=r["status"],
+            text=r["text"],
+            error=r.get("error"),
+            model_version=r["model_version"],
+            source_lang=r["source_lang"],
+            target_lang=r["target_lang"],
+            timings=dict(r["timings"]),
+            tokens_in=r["tokens_in"],
+            tokens_out=r["tokens_out"],
+            cached_prefix_tokens=r["cached_prefix_tokens"],
+            worker_id=r["worker_id"],
+            completed_at=int(r["completed_at"]),
+            conversation_id=r.get("conversation_id"),
+        )
+
+
+def _seconds(value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+class TranslationClient:
+    """Request/reply over Kafka; use as `async with` (or `await start()` / `await close()`)."""
+
+    def __init__(
+        self,
+        bootstrap: str = "127.0.0.1:9092",
+        reply_topic: str | None = None,
+        *,
+        topic_prefix: str = "",
+        default_timeout: float = 30.0,
+        deadline_grace: float = 5.0,
+        raise_on_error: bool = True,
+        start_timeout: float = 30.0,
+        kafka_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`topic_prefix` is prepended to the request topics (and to the default reply topic),
+        matching the worker's setting. `default_timeout`: how long `translate` waits when no
+        deadline is given; with a deadline it waits the deadline plus `deadline_grace` (the
+        worker answers EXPIRED once it passes). `kafka_config`: extra properties (security)
+        for both the producer and the consumer."""
+        self.bootstrap = bootstrap
+        self.topic_prefix = topic_prefix
+        self.reply_topic = reply_topic or topic_prefix + REPLIES
+        self.default_timeout = default_timeout
+        self.deadline_grace = deadline_grace
+        self.raise_on_error = raise_on_error
+        self.start_timeout = start_timeout
+        self.group_id = f"tolk-client-{uuid.uuid4().hex}"
+        self._extra = dict(kafka_config or {})
+        self._producer: Any = None
+        self._consumer: Any = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, asyncio.Future[TranslationReply]] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> TranslationClient:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect, join the reply topic and wait until its partitions are pinned."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        common = {"bootstrap.servers": self.bootstrap, **self._extra}
+        self._producer = Producer(
+            {**common, "enable.idempotence": True, "acks": "all", "linger.ms": 2}
+        )
+        self._consumer = Consumer(
+            {
+                **common,
+                "group.id": self.group_id,
+                "auto.offset.reset": "latest",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "partition.assignment.strategy": "cooperative-sticky",
+            }
+        )
+        self._consumer.subscribe([self.reply_topic], on_assign=self._on_assign)
+        self._thread = threading.Thread(target=self._poll_loop, name="tolk-client", daemon=True)
+        self._thread.start()
+        ready = await asyncio.to_thread(self._ready.wait, self.start_timeout)
+        if self._start_error is not None or not ready:
+            why = self._start_error or f"no assignment of {self.reply_topic!r} yet"
+            await self.close()
+            raise TranslationError(
+                f"client could not start within {self.start_timeout:.0f}s: {why}"
+            )
+
+    async def close(self) -> None:
+        """Stop polling, flush pending requests, fail the futures still waiting."""
+        self._closing.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+            self._thread = None
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.flush, 5.0)
+            self._producer = None
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._consumer.close)
+            self._consumer = None
+        for rid, fut in list(self._pending.items()):
+            if not fut.done():
+                fut.set_exception(TranslationError(f"client closed before the reply to {rid}"))
+        self._pending.clear()
+
+    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        # Pin every partition at its end now, so no reply to a later request is skipped by a
+        # lazily resolved "latest".
+        try:
+            pinned = []
+            for p in partitions:
+                _low, high = consumer.get_watermark_offsets(p, timeout=10.0, cached=False)
+                pinned.append(TopicPartition(p.topic, p.partition, high))
+            consumer.incremental_assign(pinned)
+            if pinned:
+                self._ready.set()
+        except Exception as exc:  # reported by start()
+            self._start_error = exc
+            self._ready.set()
+
+    def _poll_loop(self) -> None:
+        consumer, producer = self._consumer, self._producer
+        while not self._closing.is_set():
+            try:
+                producer.poll(0)
+                msg = consumer.poll(0.05)
+            except Exception:
+                log.exception("client poll failed")
+                time.sleep(0.1)
+                continue
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and not self._ready.is_set():
+                    self._start_error = RuntimeError(f"reply topic {self.reply_topic!r}: {err}")
+                    self._ready.set()
+                elif err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("client consumer error: %s", err)
+                continue
+            try:
+                record = decode_result(msg.value() or b"")
+            except SchemaError:
+                log.debug("ignoring an undecodable record on %s", msg.topic())
+                continue
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._resolve, record)
+
+    def _resolve(self, record: dict[str, Any]) -> None:  # on the event loop
+        fut = self._pending.pop(str(record.get("request_id", "")), None)
+        if fut is None or fut.done():
+            return  # another client's reply, or one that arrived after its timeout
+        try:
+            fut.set_result(TranslationReply.from_record(record))
+        except (KeyError, TypeError, ValueError) as exc:
+            fut.set_exception(TranslationError(f"malformed reply: {exc!r}"))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def translate(
+        self,
+        text: str,
+        to: str,
+        src: str = "",
+        *,
+        deadline: timedelta | float | None = None,
+        timeout: float | None = None,
+        conversation_id: str | None = None,
+        model_version: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        raise_on_error: bool | None = None,
+    ) -> TranslationReply:
+        """Translate `text` into `to` (from `src`, "" = detect).
+
+        `deadline` (seconds or timedelta from now) goes on the request: past it the worker
+        answers EXPIRED instead of translating. `timeout`: how long to wait for the reply
+        (default: deadline + grace, else `default_timeout`); past it `TranslationTimeout`.
+        A non-OK reply raises `TranslationFailed` unless `raise_on_error=False`.
+        """
+        if self._thread is None or self._loop is None or self._producer is None:
+            raise TranslationError("client not started (use `async with TranslationClient(...)`)")
+        loop = self._loop
+        rid = uuid.uuid4().hex
+        deadline_s = _seconds(deadline)
+        now_ms = int(time.time() * 1000)
+        deadline_ms = None if deadline_s is None else now_ms + int(deadline_s * 1000)
+        if timeout is None:
+            timeout = (
+                self.default_timeout if deadline_s is None else deadline_s + self.deadline_grace
+            )
+        value = encode_request(
+            {
+                "request_id": rid,
+                "conversation_id": conversation_id,
+                "source_lang": src,
+                "target_lang": to,
+                "text": text,
+                "created_at": now_ms,
+                "deadline": deadline_ms,
+                "reply_topic": self.reply_topic,
+                "model_version": model_version,
+                "metadata": dict(metadata or {}),
+            }
+        )
+        topic = self.topic_prefix + request_topic(to)
+        fut: asyncio.Future[TranslationReply] = loop.create_future()
+        self._pending[rid] = fut
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:  # poll thread
+            if err is not None:
+                loop.call_soon_threadsafe(
+                    self._fail, rid, f"request not delivered to {topic}: {err}"
+                )
+
+        started = time.monotonic()
+        try:
+            self._producer.produce(
+                topic, value=value, key=(conversation_id or rid).encode(), on_delivery=on_delivery
+            )
+            reply = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TranslationTimeout(
+                rid,
+                time.monotonic() - started,
+                f"sent to {topic}, waiting on {self.reply_topic}; is a worker running?",
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+        check = self.raise_on_error if raise_on_error is None else raise_on_error
+        if check and not reply.ok:
+            raise TranslationFailed(reply.status, reply.error, reply)
+        return reply
+
+    def _fail(self, rid: str, why: str) -> None:
+        fut = self._pending.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(TranslationError(why))
+
+    async def translate_many(
+        self,
+        texts: Sequence[str],
+        to: str,
+        src: str = "",
+        *,
+        deadline: timedelta | float | None = None,
+        timeout: float | None = None,
+        raise_on_error: bool | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Translate several texts concurrently; replies in the order of `texts`. With
+        `return_exceptions=True` a failed item is its exception instead of raising."""
+        coros = [
+            self.translate(
+                t, to, src, deadline=deadline, timeout=timeout, raise_on_error=raise_on_error
+            )
+            for t in texts
+        ]
+        return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))

@@ -1,0 +1,407 @@
+"""The engine: a step loop over scheduler -> model -> sampler, in its own thread.
+
+`Engine.submit()` is thread-safe and returns a `RequestHandle` at once; the loop thread owns the
+scheduler, the KV cache manager and the model, so none of them needs a lock. Each step:
+
+    out = scheduler.schedule()                       # which tokens of which sequences
+    hidden = model(input_ids, positions, metadata)   # one forward over the flattened batch
+    logits = model.compute_logits(hidden[last token of each sampling sequence])
+    scheduler.update_from_output(out, sampled, stop) # advance, finish, free blocks
+
+A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
+its prefix (instructions + few-shot examples of the target language) is shared through the
+prefix cache, and `warm()` computes it once at start-up so the first request of a language
+already prefills only its own tokens.
+
+The engine knows nothing of Kafka: the worker drives it through `submit_translation()` and
+handle callbacks (which run on the engine thread and must only enqueue).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
+from workers.engine.loader import LoadedModel, load_model
+from workers.engine.prompts import PromptBuilder
+from workers.engine.scheduler import (
+    AdmissionHook,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SequenceState,
+)
+from workers.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+    RequestQueue,
+    SamplingParams,
+    Timings,
+)
+from workers.fairness.vtc import FCFSQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "gemma3-270m"  # preset name, .gguf path or HF checkpoint directory
+    dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
+    device: str = "cpu"
+    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/quantize.py)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
+    max_num_seqs: int = 32  # running batch cap
+    max_num_batched_tokens: int = 512  # per-step token budget (decode + prefill chunks)
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    max_new_tokens: int = 256  # default cap of a translation's output
+    warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
+    model_version: str = ""  # the A/B arm name on replies; default: model name
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # computed prompt tokens (cache hits excluded)
+    decode_tokens: int = 0  # sampled tokens
+    finished: int = 0
+    preemptions: int = 0
+    last_batch_size: int = 0
+    step_seconds: float = 0.0  # total time inside model steps
+    batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        request_queue: RequestQueue | None = None,
+        admission: AdmissionHook | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        mc = loaded.config
+        self.device = next(self.model.parameters()).device
+        self.kv_dtype = next(self.model.parameters()).dtype
+        bs = self.config.block_size
+        num_blocks = math.ceil(self.config.kv_cache_tokens / bs) + 1  # + the null block
+        groups = [
+            KVGroupSpec(g, num_blocks, bs, mc.sliding_window if g == "sliding" else None)
+            for g in mc.kv_groups
+        ]
+        self.kv = KVCacheManager(groups, enable_prefix_caching=self.config.enable_prefix_caching)
+        self.model.allocate_kv_cache(
+            {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                self.config.max_model_len,
+            ),
+            self.kv,
+            request_queue if request_queue is not None else FCFSQueue(),
+            admission,
+        )
+        self.prompts = PromptBuilder(
+            self.tokenizer, mc.arch, mc.bos_token_id, set(mc.eos_token_ids)
+        )
+        self.model_version = self.config.model_version or loaded.name
+        self.languages = self.prompts.languages
+        self.stats = EngineStats()
+        self._handles: dict[str, RequestHandle] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._inbox: queue.SimpleQueue[GenerationRequest] = queue.SimpleQueue()
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: object) -> Engine:
+        dtype = getattr(torch, config.dtype) if config.dtype else None
+        loaded = load_model(config.model, dtype=dtype, device=config.device)
+        if config.quantize:
+            from workers.engine.quantize import convert_for_runtime
+
+            convert_for_runtime(loaded.model, config.quantize)
+        return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
+
+    # -- submission (any thread) -----------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        handle = RequestHandle(request.request_id, self.cancel)
+        self._handles[request.request_id] = handle
+        self._inbox.put(request)
+        self._wake.set()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._cancels.put(request_id)
+        self._wake.set()
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> RequestHandle:
+        """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
+        return self.submit(self.translation_request(
+            text, source_lang, target_lang, request_id=request_id, deadline=deadline,
+            max_new_tokens=max_new_tokens,
+        ))
+
+    def translation_request(
+        self,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationRequest:
+        ids, _ = self.prompts.build(text, source_lang, target_lang)
+        stop_nl = self.prompts.stop_rules.stop_at_newline and not ignore_eos
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+            stop_at_newline=stop_nl,
+            ignore_eos=ignore_eos,
+        )
+        return GenerationRequest(
+            request_id or uuid.uuid4().hex, ids, params, group=target_lang, deadline=deadline,
+            expected_output_tokens=min(params.max_new_tokens, 2 * len(ids) // 3 + 8),
+        )
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- the loop --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="tolk-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        if drain:
+            end = None if timeout is None else time.monotonic() + timeout
+            while self._handles and (end is None or time.monotonic() < end):
+                time.sleep(0.01)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._drain_inbox() and not self.scheduler.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a failed step fails its requests, never the thread
+                log.exception("engine step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _drain_inbox(self) -> bool:
+        got = False
+        while True:
+            try:
+                self.scheduler.add_request(self._inbox.get_nowait())
+                got = True
+            except queue.Empty:
+                break
+        while True:
+            try:
+                self.scheduler.cancel(self._cancels.get_nowait())
+            except queue.Empty:
+                break
+        return got
+
+    def has_unfinished(self) -> bool:
+        return bool(self._handles)
+
+    def run_until_done(self) -> None:
+        """Synchronous driving (tests, benchmarks): step until every submitted request is done."""
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        handles = [self.submit(r) for r in requests]
+        self.run_until_done()
+        return [h.result(0) for h in handles]
+
+    def warm(self, languages: Sequence[str]) -> None:
+        """Compute each language's prompt prefix once so its blocks sit in the prefix cache."""
+        reqs = []
+        for lang in languages:
+            ids = self.prompts.prefix_ids(lang)
+            rid = f"warm-{lang}-{uuid.uuid4().hex[:8]}"
+            reqs.append(GenerationRequest(rid, ids, SamplingParams(max_new_tokens=1)))
+        self.generate(reqs)
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[GenerationResult]:
+        self._drain_inbox()
+        out = self.scheduler.schedule()
+        sampled: dict[str, int] = {}
+        if out.chunks:
+            t0 = time.perf_counter()
+            sampled = self._run_model(out)
+            self.stats.step_seconds += time.perf_counter() - t0
+            self.stats.steps += 1
+        finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
+        self._account(out, sampled)
+        return [self._finish(seq) for seq in finished]
+
+    def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for c in out.chunks:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            query_lens.append(c.num_tokens)
+            seq_lens.append(c.start + c.num_tokens)
+        metadata = {
+            g.name: AttentionMetadata.build(
+                query_lens,
+                seq_lens,
+                [self.kv.block_table(c.seq.request_id, g.name) for c in out.chunks],
+                self.kv.block_size,
+                self.device,
+            )
+            for g in self.kv.groups
+        }
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(input_ids, pos, metadata)  # [T, D]
+        sampling = [i for i, c in enumerate(out.chunks) if c.samples]
+        if not sampling:
+            return {}
+        ends = torch.tensor(
+            [sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device
+        )
+        logits = self.model.compute_logits(hidden.index_select(0, ends))  # [N, V] float32
+        return self._sample([out.chunks[i].seq for i in sampling], logits)
+
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> dict[str, int]:
+        tokens = logits.argmax(dim=-1).tolist()  # greedy for all; sampled rows replaced below
+        for row, seq in enumerate(seqs):
+            p = seq.request.params
+            if p.temperature <= 0:
+                continue
+            gen = self._generators.get(seq.request_id)
+            if gen is None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(p.seed if p.seed is not None else 0)
+                self._generators[seq.request_id] = gen
+            probs = torch.softmax(logits[row].float().cpu() / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                sorted_p, order = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+
+    def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
+        p = seq.request.params
+        if not p.ignore_eos and token in self.prompts.stop_rules.eos_ids:
+            return FinishReason.STOP, False
+        if len(seq.output_ids) + 1 >= p.max_new_tokens:
+            return FinishReason.LENGTH, True
+        if p.stop_at_newline and "\n" in self.tokenizer.decode([token]):
+            return FinishReason.STOP, True
+        if p.stop_strings:
+            tail = self.tokenizer.decode([*seq.output_ids[-8:], token])
+            if any(s in tail for s in p.stop_strings):
+                return FinishReason.STOP, True
+        return None, True
+
+    def _account(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        s = self.stats
+        s.preemptions += len(out.preempted)
+        decode = sum(1 for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
+        s.prefill_tokens += out.num_batched_tokens - decode
+        s.decode_tokens += len(sampled)
+        s.last_batch_size = len(out.chunks)
+        s.batch_sizes.append(len(out.chunks))
+        if len(s.batch_sizes) > 1024:
+            del s.batch_sizes[:512]
+
+    def _finish(self, seq: SequenceState) -> GenerationResult:
+        now = time.monotonic()
+        req = seq.request
+        reason = seq.finish_reason or FinishReason.ERROR
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if req.params.stop_at_newline:
+            text = text.split("\n", 1)[0]
+        for s in req.params.stop_strings:
+            text = text.split(s, 1)[0]
+        sched = seq.first_scheduled_at
+        first = seq.first_token_at
+        timings = Timings(
+            queue_s=(sched - req.arrival) if sched else now - req.arrival,
+            prefill_s=(first - sched) if (first and sched) else 0.0,
+            decode_s=(now - first) if first else 0.0,
+            total_s=now - req.arrival,
+        )
+        result = GenerationResult(
+            request_id=req.request_id,
+            token_ids=list(seq.output_ids),
+            text=text.strip(),
+            finish_reason=reason,
+            tokens_in=seq.num_prompt_tokens,
+            tokens_out=len(seq.output_ids),
+            cached_tokens=seq.num_cached,
+            timings=timings,
+            error=seq.error,
+        )
+        self.stats.finished += 1
+        self._generators.pop(req.request_id, None)
+        handle = self._handles.pop(req.request_id, None)
+        if handle is not None:
+            handle.set_result(result)
+        return result
+
+    def _fail_all(self, error: str) -> None:
+        """After a failed step: fail every live request, reset the scheduler's state."""
+        sched = self.scheduler
+        seqs = [*sched.running, *sched.preempted]
+        while len(sched.queue):
+            r = sched.queue.pop()
+            seqs.append(SequenceState(r, list(r.prompt_ids), len(r.prompt_ids)))
+        for seq in sched.running:
+            self.kv.free(seq.request_id)
+        sched.running.clear()
+        sched.preempted.clear()
+        for seq in seqs:
+            seq.finish_reason = FinishReason.ERROR
+            seq.error = error
+            self._finish(seq)

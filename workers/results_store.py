@@ -1,0 +1,148 @@
+"""Result records per request id, so a redelivered request is answered without recompute.
+
+Kafka delivers at least once: a worker that replied but died before committing has its records
+read again by the next owner of the partition. The reply it produced is kept here under
+`tolk:result:<request_id>` (the encoded TranslationResult bytes, exactly what went to the reply
+topic) with a TTL; the next owner finds it and re-produces the same bytes.
+
+`RedisResultStore` is the real one; `InMemoryResultStore` has the same interface for unit tests.
+Both take explicit arguments (settings are read by the caller).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+__all__ = [
+    "KEY_PREFIX",
+    "InMemoryResultStore",
+    "RedisResultStore",
+    "ResultStore",
+    "ResultStoreError",
+    "result_key",
+]
+
+KEY_PREFIX = "tolk:result:"
+
+
+def result_key(request_id: str, prefix: str = KEY_PREFIX) -> str:
+    return f"{prefix}{request_id}"
+
+
+class ResultStoreError(RuntimeError):
+    """The store could not be reached or answered with an error."""
+
+
+class ResultStore(Protocol):
+    def get(self, request_id: str) -> bytes | None: ...
+
+    def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]: ...
+
+    def put(self, request_id: str, value: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RedisResultStore:
+    """`tolk:result:<request_id>` -> reply bytes, with a TTL (SET EX)."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        ttl_s: int = 24 * 3600,
+        key_prefix: str = KEY_PREFIX,
+        socket_timeout_s: float = 2.0,
+    ) -> None:
+        import redis  # heavy-ish, and only the worker needs it
+
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {ttl_s!r}")
+        self._redis_error: type[Exception] = redis.RedisError
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+        )
+        self.ttl_s = ttl_s
+        self.key_prefix = key_prefix
+
+    def get(self, request_id: str) -> bytes | None:
+        try:
+            value = self._client.get(result_key(request_id, self.key_prefix))
+        except self._redis_error as exc:
+            raise ResultStoreError(f"redis GET failed: {exc}") from exc
+        return None if value is None else bytes(value)  # type: ignore[arg-type]
+
+    def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]:
+        if not request_ids:
+            return []
+        keys = [result_key(rid, self.key_prefix) for rid in request_ids]
+        try:
+            values = self._client.mget(keys)
+        except self._redis_error as exc:
+            raise ResultStoreError(f"redis MGET failed: {exc}") from exc
+        return [None if v is None else bytes(v) for v in values]  # type: ignore[union-attr]
+
+    def put(self, request_id: str, value: bytes) -> None:
+        try:
+            self._client.set(result_key(request_id, self.key_prefix), value, ex=self.ttl_s)
+        except self._redis_error as exc:
+            raise ResultStoreError(f"redis SET failed: {exc}") from exc
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except self._redis_error:
+            return False
+
+    def delete(self, request_ids: Iterable[str]) -> None:
+        keys = [result_key(rid, self.key_prefix) for rid in request_ids]
+        if keys:
+            self._client.delete(*keys)
+
+    def ttl(self, request_id: str) -> int:
+        """Seconds left (-2: no such key, -1: no TTL), as redis TTL answers."""
+        return int(self._client.ttl(result_key(request_id, self.key_prefix)))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class InMemoryResultStore:
+    """Dict-backed store with the same interface and TTL semantics (thread-safe)."""
+
+    def __init__(self, ttl_s: int = 24 * 3600, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._data: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+        self.puts = 0  # number of put() calls, for tests
+
+    def get(self, request_id: str) -> bytes | None:
+        with self._lock:
+            entry = self._data.get(request_id)
+            if entry is None:
+                return None
+            value, expires = entry
+            if self._clock() >= expires:
+                del self._data[request_id]
+                return None
+            return value
+
+    def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]:
+        return [self.get(rid) for rid in request_ids]
+
+    def put(self, request_id: str, value: bytes) -> None:
+        with self._lock:
+            self._data[request_id] = (bytes(value), self._clock() + self.ttl_s)
+            self.puts += 1
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,190 @@
+"""Worker settings: one frozen object, read once at the edge.
+
+`Settings.from_env()` is called by the CLI (or a test builds `Settings(...)` directly); every
+lower layer takes the values it needs as arguments. Nothing here reads the environment at import
+time. Secrets are kept out of `repr()` so a logged settings object never leaks a password.
+
+Environment variables (all optional):
+
+    TOLK_BOOTSTRAP            Kafka bootstrap servers          127.0.0.1:9092
+    TOLK_REDIS_URL            result store                     redis://127.0.0.1:6379/0
+    TOLK_GROUP_ID             consumer group of the workers    tolk-workers
+    TOLK_LANGUAGES            comma list of target languages   en,de,fr,es,it
+    TOLK_MODEL                model name for the engine        gemma3-270m
+    TOLK_MAX_TEXT_BYTES       larger texts are REJECTED        100000
+    TOLK_METRICS_PORT         Prometheus port (0 = off)        9400
+    TOLK_WORKER_ID            on every reply                   <hostname>-<pid>
+    TOLK_POLICIES             lang:weight:slo[:max_queue[:max_new_tokens]],...  (merged over
+                              workers.fairness.policy.DEFAULT_POLICIES)
+    TOLK_RESULT_TTL_S         result records in redis live     86400
+    TOLK_MAX_IN_FLIGHT        all languages together           1024
+    TOLK_TOPIC_PREFIX         prepended to every topic name    "" (tests use a unique one)
+    TOLK_DRAIN_TIMEOUT_S      shutdown waits for in-flight     30
+    TOLK_SECURITY_PROTOCOL / TOLK_SASL_MECHANISM / TOLK_SASL_USERNAME / TOLK_SASL_PASSWORD
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy, parse_policies
+
+__all__ = ["Settings", "default_worker_id"]
+
+DEFAULT_LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "es", "it")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _frozen_policies(policies: Mapping[str, LanguagePolicy]) -> Mapping[str, LanguagePolicy]:
+    return MappingProxyType(dict(policies))
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    bootstrap: str = "127.0.0.1:9092"  # Kafka bootstrap.servers
+    redis_url: str = "redis://127.0.0.1:6379/0"  # result store
+    group_id: str = "tolk-workers"  # consumer group shared by all workers
+    languages: tuple[str, ...] = DEFAULT_LANGUAGES  # target languages this worker consumes
+    model: str = "gemma3-270m"  # model name the CLI hands to the engine loader
+    max_text_bytes: int = 100_000  # UTF-8 size above which a request is REJECTED
+    metrics_port: int = 9400  # Prometheus HTTP port; 0 = no HTTP server
+    worker_id: str = field(default_factory=default_worker_id)  # goes on every reply
+    policies: Mapping[str, LanguagePolicy] = field(
+        default_factory=lambda: _frozen_policies(DEFAULT_POLICIES)
+    )  # per-language weight, SLO, intake high water, output cap
+    result_ttl_s: int = 24 * 3600  # how long a result stays in redis for redeliveries
+    max_in_flight: int = 1024  # requests in the engine, all languages together
+    topic_prefix: str = ""  # prepended to request and dead-letter topics (tests, tenants)
+    low_water_ratio: float = 0.5  # intake resumes a language at floor(high * ratio)
+    poll_timeout_s: float = 0.05  # consumer poll; the loop never blocks longer than this
+    max_poll_records: int = 500  # records per consume() call
+    commit_interval_s: float = 0.5  # commit committable offsets at least this often
+    commit_every: int = 200  # ... or after this many completed records
+    drain_timeout_s: float = 30.0  # on shutdown, wait this long for in-flight requests
+    session_timeout_ms: int = 45_000  # consumer group session timeout
+    topic_check_ttl_s: float = 30.0  # how long a reply-topic existence check is trusted
+    security_protocol: str = ""  # "" = PLAINTEXT (librdkafka default)
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    sasl_password: str = field(default="", repr=False)  # secret: never in repr or logs
+
+    def __post_init__(self) -> None:
+        if not self.languages:
+            raise ValueError("languages must not be empty")
+        if self.max_text_bytes < 1:
+            raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes!r}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight!r}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
+        if not isinstance(self.policies, MappingProxyType):
+            object.__setattr__(self, "policies", _frozen_policies(self.policies))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{name}={getattr(self, name)!r}"
+            for name in self.__dataclass_fields__
+            if name != "sasl_password"
+        )
+        masked = "'***'" if self.sasl_password else "''"
+        return f"Settings({fields}, sasl_password={masked})"
+
+    # -- derived ------------------------------------------------------------------------------
+
+    def policy(self, lang: str) -> LanguagePolicy | None:
+        return self.policies.get(lang)
+
+    def kafka_common(self) -> dict[str, Any]:
+        """bootstrap + security properties shared by the consumer, producer and admin client."""
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap}
+        if self.security_protocol:
+            conf["security.protocol"] = self.security_protocol
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            conf["sasl.password"] = self.sasl_password
+        return conf
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (dataclasses.replace, re-validated)."""
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    # -- the edge -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read `TOLK_*` variables (from `env`, default os.environ); keyword overrides win."""
+        e = os.environ if env is None else env
+
+        def get(name: str) -> str | None:
+            value = e.get(f"TOLK_{name}")
+            return value if value not in (None, "") else None
+
+        kw: dict[str, Any] = {}
+        text_fields = {
+            "BOOTSTRAP": "bootstrap",
+            "REDIS_URL": "redis_url",
+            "GROUP_ID": "group_id",
+            "MODEL": "model",
+            "WORKER_ID": "worker_id",
+            "TOPIC_PREFIX": "topic_prefix",
+            "SECURITY_PROTOCOL": "security_protocol",
+            "SASL_MECHANISM": "sasl_mechanism",
+            "SASL_USERNAME": "sasl_username",
+            "SASL_PASSWORD": "sasl_password",
+        }
+        for env_name, attr in text_fields.items():
+            value = get(env_name)
+            if value is not None:
+                kw[attr] = value
+        int_fields = {
+            "MAX_TEXT_BYTES": "max_text_bytes",
+            "METRICS_PORT": "metrics_port",
+            "RESULT_TTL_S": "result_ttl_s",
+            "MAX_IN_FLIGHT": "max_in_flight",
+        }
+        for env_name, attr in int_fields.items():
+            value = get(env_name)
+            if value is not None:
+                try:
+                    kw[attr] = int(value)
+                except ValueError:
+                    raise ValueError(f"TOLK_{env_name}={value!r} is not an integer") from None
+        drain = get("DRAIN_TIMEOUT_S")
+        if drain is not None:
+            try:
+                kw["drain_timeout_s"] = float(drain)
+            except ValueError:
+                raise ValueError(f"TOLK_DRAIN_TIMEOUT_S={drain!r} is not a number") from None
+        langs = get("LANGUAGES")
+        if langs is not None:
+            kw["languages"] = parse_languages(langs)
+        spec = get("POLICIES")
+        if spec is not None:
+            kw["policies"] = {**DEFAULT_POLICIES, **parse_policies(spec)}
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def parse_languages(text: str) -> tuple[str, ...]:
+    """`"de, fr,,es"` -> ("de", "fr", "es"), lower-cased, duplicates dropped, order kept."""
+    out: list[str] = []
+    for part in text.split(","):
+        lang = part.strip().lower()
+        if lang and lang not in out:
+            out.append(lang)
+    if not out:
+        raise ValueError(f"no language in {text!r}")
+    return tuple(out)
