@@ -31,7 +31,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from schemas.codec import SchemaError, decode_result, encode_request
 from topics.catalog import REPLIES, request_topic
@@ -45,6 +45,16 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Answers a just-created topic may give for a moment.
+_TRANSIENT_METADATA_CODES = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._TIMED_OUT,
+    }
+)
 
 
 class TranslationError(RuntimeError):
@@ -231,7 +241,7 @@ class TranslationClient:
         try:
             pinned = []
             for p in partitions:
-                _low, high = consumer.get_watermark_offsets(p, timeout=10.0, cached=False)
+                high = self._end_offset(consumer, p)
                 pinned.append(TopicPartition(p.topic, p.partition, high))
             consumer.incremental_assign(pinned)
             if pinned:
@@ -239,6 +249,22 @@ class TranslationClient:
         except Exception as exc:  # reported by start()
             self._start_error = exc
             self._ready.set()
+
+    def _end_offset(self, consumer: Any, tp: TopicPartition) -> int:
+        """The partition's high watermark; retried while a fresh topic elects its leader."""
+        end = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                _low, high = consumer.get_watermark_offsets(tp, timeout=5.0, cached=False)
+                return int(high)
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                transient = isinstance(err, KafkaError) and (
+                    err.retriable() or err.code() in _TRANSIENT_METADATA_CODES
+                )
+                if not transient or time.monotonic() >= end or self._closing.is_set():
+                    raise
+                time.sleep(0.1)
 
     def _poll_loop(self) -> None:
         consumer, producer = self._consumer, self._producer

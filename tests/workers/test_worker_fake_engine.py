@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -425,7 +424,3 @@ def test_settings_from_env_and_secret_masking() -> None:
         Settings.from_env({"TOLK_MAX_IN_FLIGHT": "many"})
     with pytest.raises(AttributeError):
         s.bootstrap = "x"  # type: ignore[misc]
-
-
-def test_unique_ids_do_not_collide_between_rigs() -> None:
-    assert uuid.uuid4() != uuid.uuid4()

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints JSON, warms up first, and compares against its anchor in one run."""

@@ -1,0 +1,715 @@
+"""Engine throughput and latency: tolk's engine vs transformers `generate` vs llama.cpp, one run.
+
+What is measured, per (system, model, batch, dtype): B distinct real translation prompts (the
+engine's own en->de prompt, prefix + query, built from Tatoeba sentences) are submitted at once
+and each generates exactly `--new-tokens` (64) tokens, greedy, EOS ignored. From the batch's
+time to first token (TTFT: until *every* sequence has its first token) and total time:
+
+    prefill tok/s   = prompt tokens of the batch / TTFT
+    decode tok/s    = B * (new_tokens - 1) / (total - TTFT)
+    aggregate tok/s = B * new_tokens / total        (generated tokens over the whole wall time)
+
+One warm-up run per batch size, then the median of `--repeats` runs (raw values are kept).
+
+All systems see the same token ids: the parent builds the prompts once per model with the
+engine's `PromptBuilder` and hands them to the workers; the tolk worker builds its own through
+`Engine.translation_request` and checks they match. transformers runs the reference model on the
+same dequantized weights (`load_reference_hf_model`), left-padded with an attention mask.
+llama.cpp runs the same GGUF file through its low-level batch API (one sequence id per prompt,
+greedy argmax on the logits with numpy); its weights stay quantized, so it is the speed anchor,
+not a same-weights comparison.
+
+Each system x model runs in its own subprocess (`--worker`) so its peak RSS is its own and no
+thread pool or allocator state leaks between systems. Threads: `--threads` (2) for torch and for
+llama.cpp (n_threads and n_threads_batch).
+
+Prefix cache: tolk's throughput rows run with the prefix cache OFF by default, so every system
+computes every prompt token (`--prefix-cache` turns it on; the language is then warmed before
+the warm-up run and `cached_tokens` says how many prompt tokens were served from the cache). Its
+effect is measured separately: TTFT of one request whose language prefix is warm
+(`engine.warm([lang])`) vs cold (prefix cache disabled), median of `--ttft-trials`.
+
+Caveats: tolk batches continuously with chunked prefill (`max_num_batched_tokens` per step), so
+early sequences start decoding before the last one's prefill is done; those tokens fall in the
+TTFT window of the batch while `decode tok/s` still counts B * (new_tokens - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench._common import (
+    JSON,
+    emit_worker_result,
+    machine_info,
+    parse_csv,
+    parse_ints,
+    peak_rss_mb,
+    run_worker,
+    safe_ratio,
+    summarize,
+    thread_env,
+    write_json,
+)
+
+log = logging.getLogger("bench.engine")
+
+SYSTEMS = ("tolk", "hf", "llamacpp")
+SOURCE_LANG, TARGET_LANG = "en", "de"
+TTFT_SENTENCE_OFFSET = 500  # TTFT trials use sentences no throughput prompt uses
+METRICS = ("ttft_s", "total_s", "prefill_tok_s", "decode_tok_s", "aggregate_tok_s")
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def sentences(n: int, offset: int = 0) -> list[str]:
+    """`n` distinct English Tatoeba sentences (en->de pairs, past the few-shot region)."""
+    from replay.datasets import tatoeba_pairs
+
+    seen: set[str] = set()
+    out: list[str] = []
+    for en, _ in tatoeba_pairs(TARGET_LANG)[100:]:
+        en = en.strip()
+        if en and en not in seen:
+            seen.add(en)
+            out.append(en)
+    if len(out) < offset + n:
+        raise ValueError(f"only {len(out)} distinct sentences, need {offset + n}")
+    return out[offset : offset + n]
+
+
+def prompt_builder(model: str, tokenizer: Any | None = None) -> Any:
+    """The engine's `PromptBuilder` for `model`, without loading its weights."""
+    from workers.engine.config import ModelConfig
+    from workers.engine.loader import TOLK_CONFIG, checkpoint_dir
+    from workers.engine.prompts import PromptBuilder
+
+    directory = checkpoint_dir(model)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    meta = directory / TOLK_CONFIG
+    if meta.exists():
+        cfg = ModelConfig.from_dict(json.loads(meta.read_text())["model"])
+    else:
+        from transformers import AutoConfig
+
+        cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+    return PromptBuilder(tokenizer, cfg.arch, cfg.bos_token_id, set(cfg.eos_token_ids))
+
+
+def build_prompts(model: str, max_batch: int, ttft_trials: int) -> JSON:
+    """What every worker of one model gets: the texts and the prompt token ids."""
+    builder = prompt_builder(model)
+    texts = sentences(max_batch)
+    ttft_texts = sentences(ttft_trials, TTFT_SENTENCE_OFFSET)
+    return {
+        "model": model,
+        "texts": texts,
+        "ids": [builder.build(t, SOURCE_LANG, TARGET_LANG)[0] for t in texts],
+        "prefix_tokens": len(builder.prefix_ids(TARGET_LANG)),
+        "template": builder.template_name,
+        "ttft_texts": ttft_texts,
+    }
+
+
+def prompt_stats(ids: Sequence[Sequence[int]]) -> JSON:
+    lens = [len(x) for x in ids]
+    return {"total": sum(lens), "min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)}
+
+
+# -- measurement --------------------------------------------------------------------------------
+def run_metrics(batch: int, prompt_tokens: int, ttft: float, total: float, new: int) -> JSON:
+    decode_s = max(total - ttft, 1e-9)
+    return {
+        "ttft_s": ttft,
+        "total_s": total,
+        "prefill_tok_s": prompt_tokens / max(ttft, 1e-9),
+        "decode_tok_s": batch * (new - 1) / decode_s,
+        "aggregate_tok_s": batch * new / max(total, 1e-9),
+    }
+
+
+def measure(once: Callable[[], JSON], repeats: int) -> JSON:
+    """One warm-up call, then `repeats` timed ones; medians per metric (raw values kept)."""
+    once()
+    runs = [once() for _ in range(repeats)]
+    out: JSON = {k: summarize([r[k] for r in runs]) for k in METRICS}
+    for k, v in runs[-1].items():  # non-metric facts of the last run (tokens, cache hits)
+        if k not in METRICS:
+            out[k] = v
+    return out
+
+
+def row(system: str, model: str, dtype: str, batch: int, ids: Sequence[Sequence[int]]) -> JSON:
+    return {
+        "system": system,
+        "model": model,
+        "dtype": dtype,
+        "batch": batch,
+        "prompt_tokens": prompt_stats(ids),
+    }
+
+
+# -- tolk ---------------------------------------------------------------------------------------
+def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
+    import dataclasses
+
+    import torch
+
+    from workers.engine.engine import Engine, EngineConfig
+
+    torch.set_num_threads(args.threads)
+    new = args.new_tokens
+    cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        enable_prefix_caching=args.prefix_cache,
+        max_num_seqs=max(args.batches),
+        max_new_tokens=new,
+    )
+    t0 = time.perf_counter()
+    try:
+        engine = Engine.from_config(cfg)
+    except (ImportError, NotImplementedError, ValueError) as exc:
+        if not args.quantize:
+            raise
+        return {"skipped": f"quantize={args.quantize!r} not available: {type(exc).__name__}: {exc}"}
+    load_s = time.perf_counter() - t0
+    kv_bytes = kv_cache_bytes(engine.model)
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    if args.quantize:
+        dtype += f"+{args.quantize}"
+    if args.prefix_cache:
+        engine.warm([TARGET_LANG])
+
+    def requests(texts: Sequence[str], max_new: int) -> list[Any]:
+        return [
+            engine.translation_request(
+                t, SOURCE_LANG, TARGET_LANG, max_new_tokens=max_new, ignore_eos=True
+            )
+            for t in texts
+        ]
+
+    rows = []
+    for batch in args.batches:
+        texts = prompts["texts"][:batch]
+        expected = prompts["ids"][:batch]
+        built = [r.prompt_ids for r in requests(texts, new)]
+        if built != expected:
+            raise RuntimeError("the engine's prompt ids differ from the shared prompts")
+
+        def once(texts: Sequence[str] = texts, batch: int = batch) -> JSON:
+            reqs = requests(texts, new)
+            prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+            start = time.monotonic()
+            for r in reqs:
+                r.arrival = start  # TTFT from the moment the batch is submitted
+            results = engine.generate(reqs)
+            total = time.monotonic() - start
+            bad = [r for r in results if not r.ok or r.tokens_out != new]
+            if bad:
+                raise RuntimeError(f"tolk: {len(bad)} requests failed: {bad[0]}")
+            ttft = max(r.timings.queue_s + r.timings.prefill_s for r in results)
+            out = run_metrics(batch, prompt_tokens, ttft, total, new)
+            out["cached_tokens"] = sum(r.cached_tokens for r in results)
+            out["seq0_tokens"] = results[0].token_ids[:16]
+            return out
+
+        rows.append(row("tolk", args.model, dtype, batch, expected) | measure(once, args.repeats))
+        log.info("tolk %s B=%d done", args.model, batch)
+
+    # TTFT of one request: language prefix warm (prefix cache on, warmed) vs cold (cache off).
+    prefix_ttft: JSON = {}
+    if args.ttft_trials > 1:
+        loaded = engine.loaded
+        if args.prefix_cache:  # an engine owns the model's KV buffers: one live engine at a time
+            engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=False))
+        cold = single_request_ttft(engine, prompts["ttft_texts"])
+        engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=True))
+        engine.warm([TARGET_LANG])
+        warm = single_request_ttft(engine, prompts["ttft_texts"])
+        prefix_ttft = {
+            "cold_s": summarize(cold, 5),
+            "warm_s": summarize(warm, 5),
+            "ratio_warm_cold": safe_ratio(summarize(warm, 6)["median"],
+                                          summarize(cold, 6)["median"]),
+            "prompt_tokens": prompt_stats(
+                [engine.prompts.build(t, SOURCE_LANG, TARGET_LANG)[0]
+                 for t in prompts["ttft_texts"]]
+            ),
+            "prefix_tokens": prompts["prefix_tokens"],
+        }  # fmt: skip
+    return {
+        "rows": rows,
+        "prefix_ttft": prefix_ttft,
+        "load_s": round(load_s, 2),
+        "kv_cache_mb": round(kv_bytes / 2**20, 1),
+        "engine_config": dataclasses.asdict(cfg),
+    }
+
+
+def single_request_ttft(engine: Any, texts: Sequence[str]) -> list[float]:
+    """TTFT of one request at a time, one per text; the first is a warm-up and is dropped."""
+    times = []
+    for text in texts:
+        req = engine.translation_request(text, SOURCE_LANG, TARGET_LANG, max_new_tokens=1)
+        req.arrival = time.monotonic()
+        (res,) = engine.generate([req])
+        if not res.ok:
+            raise RuntimeError(f"tolk TTFT request failed: {res}")
+        times.append(res.timings.queue_s + res.timings.prefill_s)
+    return times[1:]
+
+
+def kv_cache_bytes(model: Any) -> int:
+    total = 0
+    for module in model.modules():
+        for name in ("k_cache", "v_cache"):
+            t = getattr(module, name, None)
+            if t is not None and hasattr(t, "numel"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# -- transformers -------------------------------------------------------------------------------
+def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from workers.engine.loader import load_reference_hf_model
+
+    torch.set_num_threads(args.threads)
+    new = args.new_tokens
+    t0 = time.perf_counter()
+    model, tokenizer = load_reference_hf_model(args.model)
+    dtype = getattr(torch, args.dtype or "float32")
+    model = model.to(dtype)
+    load_s = time.perf_counter() - t0
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+
+    class FirstTokenClock(LogitsProcessor):
+        """Called once per step on the logits; the first call is right after prefill."""
+
+        def __init__(self) -> None:
+            self.first: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.first is None:
+                self.first = time.perf_counter()
+            return scores
+
+    rows = []
+    for batch in args.batches:
+        ids = prompts["ids"][:batch]
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, L] left-padded
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, x in enumerate(ids):
+            input_ids[i, width - len(x) :] = torch.tensor(x)
+            mask[i, width - len(x) :] = 1
+        prompt_tokens = sum(len(x) for x in ids)
+
+        def once(
+            input_ids: torch.Tensor = input_ids,
+            mask: torch.Tensor = mask,
+            batch: int = batch,
+            prompt_tokens: int = prompt_tokens,
+        ) -> JSON:
+            clock = FirstTokenClock()
+            start = time.perf_counter()
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                num_beams=1,
+                min_new_tokens=new,
+                max_new_tokens=new,
+                pad_token_id=pad_id,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+            total = time.perf_counter() - start
+            generated = out.shape[1] - input_ids.shape[1]
+            if generated != new or clock.first is None:
+                raise RuntimeError(f"transformers generated {generated} tokens, wanted {new}")
+            res = run_metrics(batch, prompt_tokens, clock.first - start, total, new)
+            res["seq0_tokens"] = out[0, input_ids.shape[1] : input_ids.shape[1] + 16].tolist()
+            res["padded_prompt_tokens"] = batch * input_ids.shape[1]
+            return res
+
+        with torch.inference_mode():
+            measured = measure(once, args.repeats)
+        rows.append(row("hf", args.model, args.dtype or "float32", batch, ids) | measured)
+        log.info("hf %s B=%d done", args.model, batch)
+    return {"rows": rows, "load_s": round(load_s, 2), "attn_implementation":
+            getattr(model.config, "_attn_implementation", None)}  # fmt: skip
+
+
+# -- llama.cpp ----------------------------------------------------------------------------------
+def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
+    try:
+        import llama_cpp
+    except ImportError as exc:  # not built on this machine: a note, not a failure
+        return {"skipped": f"llama_cpp not importable: {exc}"}
+    import ctypes
+
+    from workers.engine.loader import resolve_source
+
+    _, path = resolve_source(args.model)
+    if path.suffix != ".gguf":
+        return {"skipped": f"{path} is not a GGUF file"}
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+    def quiet(level: int, text: bytes, user_data: Any) -> None:
+        pass
+
+    llama_cpp.llama_log_set(quiet, None)
+    llama_cpp.llama_backend_init()
+    t0 = time.perf_counter()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    load_s = time.perf_counter() - t0
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, desc, len(desc))
+
+    rows = []
+    ctx_info: JSON = {}
+    for batch in args.batches:
+        ids = prompts["ids"][:batch]
+        measured, ctx_info = _llamacpp_batch(llama_cpp, model, n_vocab, ids, args)
+        rows.append(row("llamacpp", args.model, "gguf", batch, ids) | measured)
+        log.info("llamacpp %s B=%d done", args.model, batch)
+    llama_cpp.llama_model_free(model)
+    return {
+        "rows": rows,
+        "load_s": round(load_s, 2),
+        "gguf": str(path),
+        "gguf_desc": desc.value.decode(errors="replace"),
+        "llama_cpp_version": getattr(llama_cpp, "__version__", None),
+        "context": ctx_info,
+    }
+
+
+def _llamacpp_batch(
+    llama_cpp: Any, model: Any, n_vocab: int, ids: list[list[int]], args: argparse.Namespace
+) -> tuple[JSON, JSON]:
+    """Measure one batch size: a fresh context with one sequence id per prompt."""
+    import numpy as np
+
+    new, chunk, batch = args.new_tokens, args.llamacpp_n_batch, len(ids)
+    per_seq = -(-(max(len(x) for x in ids) + new + 8) // 256) * 256  # KV cells per sequence
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = per_seq * batch
+    cparams.n_batch = chunk
+    cparams.n_ubatch = chunk
+    cparams.n_seq_max = batch
+    cparams.n_threads = args.threads
+    cparams.n_threads_batch = args.threads
+    cparams.no_perf = True
+    if hasattr(cparams, "kv_unified"):
+        cparams.kv_unified = args.llamacpp_kv_unified
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise RuntimeError(f"llama.cpp context for {batch} sequences failed")
+    ctx_info = {
+        "n_ctx": llama_cpp.llama_n_ctx(ctx),
+        "n_batch": chunk,
+        "kv_unified": getattr(cparams, "kv_unified", None),
+        "flash_attn": _flash_attn_setting(cparams),
+    }
+    lbatch = llama_cpp.llama_batch_init(max(chunk, batch), 0, 1)
+    memory = llama_cpp.llama_get_memory(ctx)
+
+    def decode(tokens: Sequence[tuple[int, int, int, bool]]) -> None:
+        """tokens: (token, pos, seq_id, wants_logits)."""
+        lbatch.n_tokens = len(tokens)
+        for i, (tok, pos, seq, logits) in enumerate(tokens):
+            lbatch.token[i] = tok
+            lbatch.pos[i] = pos
+            lbatch.n_seq_id[i] = 1
+            lbatch.seq_id[i][0] = seq
+            lbatch.logits[i] = logits
+        rc = llama_cpp.llama_decode(ctx, lbatch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax_row(i: int) -> int:
+        ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
+
+    def once() -> JSON:
+        llama_cpp.llama_memory_clear(memory, True)
+        flat = [(tok, pos, seq, pos == len(x) - 1)
+                for seq, x in enumerate(ids) for pos, tok in enumerate(x)]  # fmt: skip
+        last: list[int] = [0] * batch
+        start = time.perf_counter()
+        for c in range(0, len(flat), chunk):  # prefill, `chunk` tokens per llama_decode
+            part = flat[c : c + chunk]
+            decode(part)
+            for i, (_, _, seq, wants) in enumerate(part):
+                if wants:
+                    last[seq] = argmax_row(i)
+        ttft = time.perf_counter() - start
+        seq0 = [last[0]]
+        for step in range(new - 1):  # decode: one token per sequence per llama_decode
+            decode([(last[s], len(ids[s]) + step, s, True) for s in range(batch)])
+            logits = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits(ctx), shape=(batch, n_vocab)
+            )  # [B, V]: outputs in batch order
+            last = logits.argmax(axis=1).tolist()
+            if len(seq0) < 16:
+                seq0.append(last[0])
+        total = time.perf_counter() - start
+        res = run_metrics(batch, sum(len(x) for x in ids), ttft, total, new)
+        res["seq0_tokens"] = seq0
+        return res
+
+    try:
+        return measure(once, args.repeats), ctx_info
+    finally:
+        llama_cpp.llama_batch_free(lbatch)
+        llama_cpp.llama_free(ctx)
+
+
+def _flash_attn_setting(cparams: Any) -> Any:
+    for name in ("flash_attn_type", "flash_attn"):
+        if hasattr(cparams, name):
+            return {name: getattr(cparams, name)}
+    return None
+
+
+WORKERS: dict[str, Callable[[argparse.Namespace, JSON], JSON]] = {
+    "tolk": tolk_worker,
+    "hf": hf_worker,
+    "llamacpp": llamacpp_worker,
+}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    if args.prompts_file:
+        prompts = json.loads(Path(args.prompts_file).read_text())
+    else:
+        prompts = build_prompts(args.model, max(args.batches), args.ttft_trials)
+    result: JSON = {"system": args.worker, "model": args.model, "dtype": args.dtype}
+    try:
+        result |= WORKERS[args.worker](args, prompts)
+    except Exception as exc:  # the parent records it and goes on with the other systems
+        log.exception("worker %s/%s failed", args.worker, args.model)
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["peak_rss_mb"] = peak_rss_mb()
+    for r in result.get("rows", []):
+        r["peak_rss_mb"] = result["peak_rss_mb"]  # per system x model process, all batches
+    torch = sys.modules.get("torch")  # imported by the tolk / hf workers only
+    result["torch_threads"] = torch.get_num_threads() if torch is not None else None
+    emit_worker_result(result)
+
+
+# -- parent -------------------------------------------------------------------------------------
+def common_prefix(a: Sequence[int] | None, b: Sequence[int] | None) -> int | None:
+    if a is None or b is None:
+        return None
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def ratios(rows: list[JSON]) -> list[JSON]:
+    """tolk / transformers and tolk / llama.cpp per (model, batch), on medians."""
+    by_key = {(r["system"], r["model"], r["batch"]): r for r in rows}
+    out = []
+
+    def med(r: JSON | None, k: str) -> float | None:
+        return r[k]["median"] if r is not None else None
+
+    for (system, model, batch), tolk in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
+        if system != "tolk":
+            continue
+        entry: JSON = {"model": model, "batch": batch, "dtype": tolk["dtype"]}
+        for other in ("hf", "llamacpp"):
+            ref = by_key.get((other, model, batch))
+            if ref is None:
+                continue
+            entry[f"tolk/{other}"] = {
+                "decode_tok_s": safe_ratio(med(tolk, "decode_tok_s"), med(ref, "decode_tok_s")),
+                "aggregate_tok_s": safe_ratio(
+                    med(tolk, "aggregate_tok_s"), med(ref, "aggregate_tok_s")
+                ),
+                "prefill_tok_s": safe_ratio(med(tolk, "prefill_tok_s"), med(ref, "prefill_tok_s")),
+                "ttft_s": safe_ratio(med(tolk, "ttft_s"), med(ref, "ttft_s")),
+                "greedy_tokens_agree": common_prefix(
+                    tolk.get("seq0_tokens"), ref.get("seq0_tokens")
+                ),
+            }
+        llama = [r for (s, m, _), r in by_key.items() if s == "llamacpp" and m == model]
+        if llama:
+            best_decode = max(llama, key=lambda r: r["decode_tok_s"]["median"])
+            best_agg = max(llama, key=lambda r: r["aggregate_tok_s"]["median"])
+            entry["tolk/llamacpp_best"] = {
+                "decode_tok_s": safe_ratio(
+                    med(tolk, "decode_tok_s"), med(best_decode, "decode_tok_s")
+                ),
+                "llamacpp_best_decode_batch": best_decode["batch"],
+                "aggregate_tok_s": safe_ratio(
+                    med(tolk, "aggregate_tok_s"), med(best_agg, "aggregate_tok_s")
+                ),
+                "llamacpp_best_aggregate_batch": best_agg["batch"],
+            }
+        out.append(entry)
+    return out
+
+
+def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file: str) -> list[str]:
+    cmd = [
+        "--worker", system, "--model", model,
+        "--batches", ",".join(map(str, args.batches)),
+        "--repeats", str(args.repeats),
+        "--threads", str(args.threads),
+        "--new-tokens", str(args.new_tokens),
+        "--ttft-trials", str(args.ttft_trials),
+        "--llamacpp-n-batch", str(args.llamacpp_n_batch),
+        "--prompts-file", prompts_file,
+    ]  # fmt: skip
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
+    if args.prefix_cache:
+        cmd.append("--prefix-cache")
+    if args.llamacpp_kv_unified:
+        cmd.append("--llamacpp-kv-unified")
+    return cmd
+
+
+def parent_main(args: argparse.Namespace) -> JSON:
+    started = time.time()
+    summary: JSON = {
+        "benchmark": "engine",
+        "config": {
+            "models": args.models,
+            "batches": args.batches,
+            "repeats": args.repeats,
+            "systems": args.systems,
+            "dtype": args.dtype,
+            "quantize": args.quantize,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "prefix_cache_in_throughput": args.prefix_cache,
+            "ttft_trials": args.ttft_trials,
+            "prompt": f"engine translation prompt {SOURCE_LANG}->{TARGET_LANG}, "
+            "distinct Tatoeba sentences per sequence, EOS ignored, greedy",
+        },
+        "machine": {},
+        "prompts": {},
+        "results": [],
+        "prefix_ttft": [],
+        "workers": [],
+        "ratios": [],
+        "notes": [],
+    }
+    rows: list[JSON] = []
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        for model in args.models:
+            prompts = build_prompts(model, max(args.batches), args.ttft_trials)
+            prompts_file = str(Path(tmp) / f"{model.replace('/', '_')}.json")
+            Path(prompts_file).write_text(json.dumps(prompts))
+            summary["prompts"][model] = {
+                "template": prompts["template"],
+                "prefix_tokens": prompts["prefix_tokens"],
+                "tokens": prompt_stats(prompts["ids"]),
+            }
+            for system in args.systems:
+                log.info("running %s on %s", system, model)
+                res = run_worker(
+                    "bench.engine",
+                    worker_args(args, system, model, prompts_file),
+                    timeout=args.worker_timeout,
+                    env=thread_env(args.threads),
+                )
+                rows.extend(res.pop("rows", []))
+                if res.get("prefix_ttft"):
+                    summary["prefix_ttft"].append(
+                        {"model": model, "dtype": args.dtype or "float32"} | res.pop("prefix_ttft")
+                    )
+                res.pop("prefix_ttft", None)
+                res.setdefault("system", system)
+                res.setdefault("model", model)
+                summary["workers"].append(res)
+                if "skipped" in res:
+                    summary["notes"].append(f"{system}/{model} skipped: {res['skipped']}")
+                if "error" in res:
+                    summary["notes"].append(f"{system}/{model} failed: {res['error']}")
+    summary["results"] = rows
+    summary["ratios"] = ratios(rows)
+    import torch
+
+    summary["machine"] = machine_info(args.threads) | {"torch": torch.__version__}
+    summary["wall_s"] = round(time.time() - started, 1)
+    return summary
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    p.add_argument("--models", type=parse_csv, default=["smollm2-135m", "gemma3-270m"])
+    p.add_argument("--batches", type=parse_ints, default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--systems", type=parse_csv, default=list(SYSTEMS))
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="tolk only")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--ttft-trials", type=int, default=8, help="warm/cold TTFT (first dropped)")
+    p.add_argument("--prefix-cache", action="store_true", help="tolk throughput with the cache")
+    p.add_argument("--llamacpp-n-batch", type=int, default=512, help="prefill tokens per decode")
+    p.add_argument("--llamacpp-kv-unified", action="store_true")
+    p.add_argument("--worker-timeout", type=float, default=3600.0)
+    p.add_argument("--out", default="bench/out/engine.json")
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}")
+    if args.repeats < 1 or args.new_tokens < 2:
+        p.error("--repeats must be >= 1 and --new-tokens >= 2")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
+    )
+    args = parse_args(argv)
+    if args.worker:
+        if not args.model:
+            raise SystemExit("--worker needs --model")
+        worker_main(args)
+        return
+    summary = parent_main(args)
+    write_json(summary, args.out)
+    sys.stdout.write(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

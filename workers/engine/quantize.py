@@ -1,0 +1,69 @@
+"""Speed by swaps: weight-only int8 quantization applied after loading (gpt-fast style).
+
+`convert_for_runtime(model, "int8")` replaces every `nn.Linear` of the model (attention and MLP
+projections and the LM head) by `WeightOnlyInt8Linear`: int8 weights with one float scale per
+output channel (symmetric, absmax / 127). The model file itself stays plain; nothing in its
+forward knows about quantization.
+
+Batch-1 decode on a CPU is bound by reading the weights; int8 reads a quarter of float32's bytes.
+torch's CPU kernel for it (`aten._weight_int8pack_mm`) wants bfloat16 activations, so the int8
+path runs the rest of the model in bfloat16 (norms and softmax still upcast to float32 inside).
+The quality cost is measured in `bench/quality.py` (chrF on Tatoeba vs float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N] float32), symmetric per output channel."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [N]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
+class WeightOnlyInt8Linear(nn.Module):
+    weight: Tensor
+    scales: Tensor
+
+    def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        assert linear.bias is None, "the model's projections have no bias"
+        q, scales = quantize_int8(linear.weight)
+        self.in_features: int = linear.in_features
+        self.out_features: int = linear.out_features
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales.to(act_dtype))
+        self.act_dtype: torch.dtype = act_dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(self.act_dtype)  # [M, K]
+        if x2.device.type == "cpu" and self.act_dtype == torch.bfloat16:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:  # reference path (GPU or float32 activations): dequantize on the fly
+            y = F.linear(x2, self.weight.to(self.act_dtype)) * self.scales
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
+    """Apply a runtime swap in place; `mode` is None (no-op) or "int8"."""
+    if mode is None:
+        return model
+    if mode != "int8":
+        raise ValueError(f"unknown quantization {mode!r} (supported: int8)")
+    act_dtype = torch.bfloat16
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, WeightOnlyInt8Linear(child, act_dtype))
+    device = next(model.parameters()).device
+    model.to(act_dtype)  # embeddings, norms: int8 buffers keep their dtype (to() skips ints)
+    reset = getattr(model, "reset_buffers", None)
+    if reset is not None:
+        reset(device)  # RoPE frequencies back in float32, as transformers keeps them
+    return model
