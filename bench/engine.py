@@ -118,7 +118,14 @@ def build_prompts(model: str, max_batch: int, ttft_trials: int) -> JSON:
         "prefix_tokens": len(builder.prefix_ids(TARGET_LANG)),
         "template": builder.template_name,
         "ttft_texts": ttft_texts,
+        "gguf": str(gguf_path(model)),  # so the llama.cpp worker never imports torch
     }
+
+
+def gguf_path(model: str) -> Path:
+    from workers.engine.loader import resolve_source
+
+    return resolve_source(model)[1]
 
 
 def prompt_stats(ids: Sequence[Sequence[int]]) -> JSON:
@@ -176,6 +183,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         enable_prefix_caching=args.prefix_cache,
         max_num_seqs=max(args.batches),
         max_new_tokens=new,
+        **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
     )
     t0 = time.perf_counter()
     try:
@@ -186,9 +194,8 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         return {"skipped": f"quantize={args.quantize!r} not available: {type(exc).__name__}: {exc}"}
     load_s = time.perf_counter() - t0
     kv_bytes = kv_cache_bytes(engine.model)
-    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    if args.quantize:
-        dtype += f"+{args.quantize}"
+    dtype = (args.dtype or "float32") + (f"+{args.quantize}" if args.quantize else "")
+    param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in engine.model.parameters()})
     if args.prefix_cache:
         engine.warm([TARGET_LANG])
 
@@ -254,6 +261,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         "prefix_ttft": prefix_ttft,
         "load_s": round(load_s, 2),
         "kv_cache_mb": round(kv_bytes / 2**20, 1),
+        "param_dtypes": param_dtypes,
         "engine_config": dataclasses.asdict(cfg),
     }
 
@@ -364,9 +372,7 @@ def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         return {"skipped": f"llama_cpp not importable: {exc}"}
     import ctypes
 
-    from workers.engine.loader import resolve_source
-
-    _, path = resolve_source(args.model)
+    path = Path(prompts["gguf"]) if prompts.get("gguf") else gguf_path(args.model)
     if path.suffix != ".gguf":
         return {"skipped": f"{path} is not a GGUF file"}
 
@@ -387,16 +393,20 @@ def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     desc = ctypes.create_string_buffer(256)
     llama_cpp.llama_model_desc(model, desc, len(desc))
+    # "llama 256M Q4_1" -> gguf-Q4_1; "gemma3 ?B Q4_K - Medium" -> gguf-Q4_K-Medium
+    ftype = desc.value.decode(errors="replace").split(" ", 2)[-1]
+    quant = "gguf-" + ftype.replace(" - ", "-").replace(" ", "_")
 
     rows = []
     ctx_info: JSON = {}
     for batch in args.batches:
         ids = prompts["ids"][:batch]
         measured, ctx_info = _llamacpp_batch(llama_cpp, model, n_vocab, ids, args)
-        rows.append(row("llamacpp", args.model, "gguf", batch, ids) | measured)
+        rows.append(row("llamacpp", args.model, quant, batch, ids) | measured)
         log.info("llamacpp %s B=%d done", args.model, batch)
     llama_cpp.llama_model_free(model)
     return {
+        "dtype": quant,
         "rows": rows,
         "load_s": round(load_s, 2),
         "gguf": str(path),
@@ -594,6 +604,8 @@ def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file:
         cmd += ["--quantize", args.quantize]
     if args.prefix_cache:
         cmd.append("--prefix-cache")
+    if args.kv_cache_tokens:
+        cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.llamacpp_kv_unified:
         cmd.append("--llamacpp-kv-unified")
     return cmd
@@ -614,6 +626,7 @@ def parent_main(args: argparse.Namespace) -> JSON:
             "threads": args.threads,
             "prefix_cache_in_throughput": args.prefix_cache,
             "ttft_trials": args.ttft_trials,
+            "kv_cache_tokens": args.kv_cache_tokens,
             "prompt": f"engine translation prompt {SOURCE_LANG}->{TARGET_LANG}, "
             "distinct Tatoeba sentences per sequence, EOS ignored, greedy",
         },
@@ -623,7 +636,15 @@ def parent_main(args: argparse.Namespace) -> JSON:
         "prefix_ttft": [],
         "workers": [],
         "ratios": [],
-        "notes": [],
+        "notes": [
+            "ratios are tolk / other on medians: above 1 means tolk is faster for tok/s, "
+            "below 1 means tolk is faster for ttft_s",
+            "tolk/llamacpp_best divides by llama.cpp's best median over its batch sizes",
+            "greedy_tokens_agree: common prefix of sequence 0's first 16 tokens; llama.cpp keeps "
+            "the GGUF quantization (and quantizes activations), so it may diverge early",
+            "peak_rss_mb is per system x model worker process (all batch sizes); tolk's includes "
+            "its preallocated KV pool (kv_cache_mb in workers)",
+        ],
     }
     rows: list[JSON] = []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
@@ -680,6 +701,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--ttft-trials", type=int, default=8, help="warm/cold TTFT (first dropped)")
     p.add_argument("--prefix-cache", action="store_true", help="tolk throughput with the cache")
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="tolk KV pool size (default: engine's)"
+    )
     p.add_argument("--llamacpp-n-batch", type=int, default=512, help="prefill tokens per decode")
     p.add_argument("--llamacpp-kv-unified", action="store_true")
     p.add_argument("--worker-timeout", type=float, default=3600.0)

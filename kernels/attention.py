@@ -17,8 +17,10 @@ positions `p <= own` and, with a sliding window `W`, `p > own - W` (Hugging Face
 
 Two paths:
 - decode-only batches (every query_len == 1, the steady state): one batched gather of the blocks
-  each sequence can see, `k_cache[blocks] -> [B, L, KVH, D]`, and one masked matmul. For the
-  sliding group only the blocks that can hold in-window positions are gathered.
+  each sequence can see, `k_cache[blocks] -> [B, L, KVH, D]`, and one masked attention call
+  over the whole batch. For the sliding group only the blocks that can hold in-window positions
+  are gathered. On the CPU the gather (a copy) dominates: ~6 of ~9 ms for B=32, 300-token
+  contexts, SmolLM2 shapes; a device kernel reads the blocks in place instead.
 - prefill / mixed batches: a loop over sequences with `F.scaled_dot_product_attention` and an
   explicit boolean mask (a manual softmax path when logits are soft-capped).
 
@@ -144,10 +146,19 @@ def _decode_attention(
     if window is not None:
         valid &= pos > own[:, None] - window
 
+    if softcap is None:  # fused CPU/GPU kernel, mask broadcast over heads
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, H, 1, D]
+            k.transpose(1, 2),  # [B, KVH, L, D]
+            v.transpose(1, 2),
+            attn_mask=valid[:, None, None, :],  # [B, 1, 1, L]
+            scale=scale,
+            enable_gqa=True,
+        )  # [B, H, 1, D]
+        return out.view(b, h, d)
     qg = q.view(b, kvh, groups, d)  # [B, KVH, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [B, KVH, G, L]
     out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, KVH, G, D]

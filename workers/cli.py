@@ -30,12 +30,16 @@ BootstrapOpt = Annotated[
 ]
 
 
-def _stack(command: str) -> None:
+def run_stack(command: str) -> int:
+    """`bash compose/stack.sh <command>`; its exit code (2 when the script is missing)."""
     if not STACK_SCRIPT.is_file():
         typer.echo(f"compose script not found: {STACK_SCRIPT}", err=True)
-        raise typer.Exit(2)
-    rc = subprocess.call(["bash", str(STACK_SCRIPT), command])
-    raise typer.Exit(rc)
+        return 2
+    return subprocess.call(["bash", str(STACK_SCRIPT), command])
+
+
+def _stack(command: str) -> None:
+    raise typer.Exit(run_stack(command))
 
 
 @app.command()
@@ -125,6 +129,9 @@ def worker(
         ),
         request_queue=VTCQueue.from_policies(policies),
     )
+    # Prompt prefixes into the prefix cache before the first request (the engine's thread is
+    # not running yet, so warm() drives it synchronously).
+    engine.warm([lang for lang in settings.languages if lang in engine.languages])
     Worker(settings, engine).run()
 
 
@@ -162,16 +169,27 @@ def translate(
 
 
 @app.command()
-def demo() -> None:
-    """Run the end-to-end demo (workers/demo.py)."""
-    import importlib
+def demo(
+    model: Annotated[str, typer.Option(help="Model preset, .gguf or HF directory.")] = (
+        "gemma3-270m"
+    ),
+    count: Annotated[int, typer.Option(help="Messages to send (from the shipped sample).")] = 36,
+    languages: Annotated[
+        str, typer.Option("--languages", "-l", help="Comma list of target languages.")
+    ] = "en,de,fr,es,it",
+) -> None:
+    """The end-to-end demo: local stack, topics, a worker with the packaged model, and real
+    support messages through Kafka (workers/demo.py)."""
+    from workers.demo import main
+    from workers.settings import parse_languages
 
-    try:
-        module = importlib.import_module("workers.demo")  # someone else's module
-    except ModuleNotFoundError as exc:
-        typer.echo(f"the demo is not available: {exc}", err=True)
-        raise typer.Exit(2) from None
-    module.main()
+    rc = main(
+        model=model,
+        count=count,
+        languages=parse_languages(languages),
+        stack_up=lambda: run_stack("up"),
+    )
+    raise typer.Exit(rc)
 
 
 if __name__ == "__main__":

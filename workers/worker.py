@@ -25,6 +25,11 @@ Design notes
 Threads: everything here runs on the poll thread except the engine's done-callbacks, which
 only put `(request_id, result)` on a queue. Kafka's rebalance and delivery callbacks are
 served from `consume()` / `producer.poll()` on the poll thread.
+
+The pieces around this loop live beside it: `kafka_config` (client settings, the reply-topic
+check), `records` (what is held per record and per in-flight request), `validation` (checks
+before the engine), `replies` (building result and dead-letter records), `partitions`
+(assignment, pauses, commits).
 """
 
 from __future__ import annotations
@@ -33,113 +38,43 @@ import contextlib
 import logging
 import math
 import queue
-import re
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import SchemaError, decode_request, encode_dead_letter, encode_result
+from schemas.codec import SchemaError, decode_request, encode_result
 from topics.catalog import DEAD_LETTERS, request_topic
-from workers.engine.types import (
-    FinishReason,
-    GenerationResult,
-    RequestHandle,
-    TranslationEngine,
-    UnsupportedLanguage,
-)
+from workers.engine.types import GenerationResult, TranslationEngine, UnsupportedLanguage
 from workers.fairness.intake import IntakeController
+from workers.kafka_config import (
+    MISSING_TOPIC_CODES,
+    ReplyTopicChecker,
+    consumer_config,
+    producer_config,
+)
 from workers.metrics import WorkerMetrics
-from workers.offsets import OffsetTracker
+from workers.partitions import PartitionState
+from workers.records import ConsumedRecord, InFlight
+from workers.replies import (
+    STATUS_OF,
+    broker_to_now_ms,
+    dead_letter_value,
+    engine_reply,
+    plain_reply,
+)
 from workers.results_store import RedisResultStore, ResultStore, ResultStoreError
 from workers.settings import Settings
+from workers.validation import validate_request
 
 __all__ = ["STATUS_OF", "Worker", "consumer_config", "producer_config"]
 
 log = logging.getLogger(__name__)
-
-# FinishReason -> ResultStatus symbol on the reply.
-STATUS_OF: dict[FinishReason, str] = {
-    FinishReason.STOP: "OK",
-    FinishReason.LENGTH: "OK",
-    FinishReason.EXPIRED: "EXPIRED",
-    FinishReason.REJECTED: "REJECTED",
-    FinishReason.ERROR: "ERROR",
-    FinishReason.CANCELLED: "ERROR",
-}
-
-_TOPIC_NAME_RE = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
-_MISSING_TOPIC_CODES = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._UNKNOWN_TOPIC,
-        KafkaError._UNKNOWN_PARTITION,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.TOPIC_EXCEPTION,
-    }
-)
-
-
-def consumer_config(settings: Settings) -> dict[str, Any]:
-    return {
-        **settings.kafka_common(),
-        "group.id": settings.group_id,
-        "client.id": settings.worker_id,
-        "partition.assignment.strategy": "cooperative-sticky",
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "auto.offset.reset": "earliest",
-        "session.timeout.ms": settings.session_timeout_ms,
-        "logger": logging.getLogger("tolk.kafka.consumer"),
-    }
-
-
-def producer_config(settings: Settings) -> dict[str, Any]:
-    return {
-        **settings.kafka_common(),
-        "client.id": settings.worker_id,
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 5,
-        # A reply topic that does not exist must fail, not be created by a metadata request.
-        "allow.auto.create.topics": False,
-        "logger": logging.getLogger("tolk.kafka.producer"),
-    }
-
-
-@dataclass(slots=True)
-class _Record:
-    """One consumed record the worker owes an answer (a reply or a dead letter)."""
-
-    tp: tuple[str, int]
-    offset: int
-    key: bytes | None
-    value: bytes
-    lang: str  # the topic's language: the metric label and the intake bucket
-    broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
-    request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
-
-    @property
-    def request_id(self) -> str:
-        return str(self.request.get("request_id", ""))
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A request in the engine, and every record waiting for its answer (redeliveries of the
-    same request id that arrived meanwhile join it instead of being translated twice)."""
-
-    request_id: str
-    lang: str
-    handle: RequestHandle
-    records: list[_Record]
-    submitted_ms: int  # wall clock when handed to the engine
 
 
 class Worker:
@@ -174,7 +109,6 @@ class Worker:
             prefix + request_topic(lang): lang for lang in settings.languages
         }
         self.dead_letter_topic = prefix + DEAD_LETTERS
-        self.tracker = OffsetTracker()
         self.intake = IntakeController.from_policies(
             {k: v for k, v in settings.policies.items() if k in settings.languages},
             low_water_ratio=settings.low_water_ratio,
@@ -184,16 +118,16 @@ class Worker:
         self._consumer: Any = None
         self._producer: Any = None
         self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._answered: dict[str, bytes] = {}  # produced, delivery pending: rid -> reply bytes
-        self._assigned: set[tuple[str, int]] = set()
-        self._paused_tps: set[tuple[str, int]] = set()
+        self.partitions = PartitionState(
+            self.topic_lang, self.metrics, settings.commit_every, settings.commit_interval_s
+        )
+        self.tracker = self.partitions.tracker  # offsets per partition (tests, health)
         self._global_paused = False
         self._draining = False
         self._crash = False
-        self._topic_checks: dict[str, tuple[str | None, float]] = {}  # topic -> (error, when)
-        self._done_since_commit = 0
-        self._last_commit = time.monotonic()
+        self._reply_topics = ReplyTopicChecker(settings.topic_check_ttl_s)
         self._last_gauges = 0.0
         self._tokens_window: deque[tuple[float, int]] = deque()
         self._stop_event = threading.Event()
@@ -340,7 +274,7 @@ class Worker:
     # -- records in ---------------------------------------------------------------------------
 
     def _handle_batch(self, msgs: Iterable[Any]) -> None:
-        ready: list[_Record] = []
+        ready: list[ConsumedRecord] = []
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -352,7 +286,7 @@ class Worker:
             if not self.tracker.track(tp, msg.offset()):
                 continue  # partition revoked meanwhile
             ts_type, ts = msg.timestamp()
-            rec = _Record(
+            rec = ConsumedRecord(
                 tp=tp,
                 offset=msg.offset(),
                 key=msg.key(),
@@ -375,7 +309,7 @@ class Worker:
             raise KafkaException(err)
         log.warning("consumer error: %s", err)
 
-    def _decode_and_route(self, rec: _Record) -> bool:
+    def _decode_and_route(self, rec: ConsumedRecord) -> bool:
         """Decode and check the reply topic; False when the record was dead-lettered."""
         try:
             rec.request = decode_request(rec.value)
@@ -391,7 +325,7 @@ class Worker:
             return False
         return True
 
-    def _dispatch(self, records: list[_Record]) -> None:
+    def _dispatch(self, records: list[ConsumedRecord]) -> None:
         """Answer from the store what was answered before; check and submit the rest."""
         lookup = [r for r in records if r.request_id not in self._inflight]
         try:
@@ -422,53 +356,19 @@ class Worker:
             except Exception as exc:
                 self._dead_letter(rec, "poison", exc)
 
-    def _validate(self, rec: _Record) -> tuple[str, str, str] | None:
+    def _validate(self, rec: ConsumedRecord) -> tuple[str, str, str] | None:
         """(status, metric reason, error text) when the request cannot be translated."""
-        req = rec.request
-        target = str(req.get("target_lang", ""))
-        source = str(req.get("source_lang", ""))
-        text = req.get("text", "")
-        if target not in self.settings.languages:
-            served = ", ".join(self.settings.languages)
-            return (
-                "REJECTED",
-                "unknown_language",
-                f"unknown target language {target!r}; this worker serves {served}",
-            )
-        if target != rec.lang:
-            return (
-                "REJECTED",
-                "wrong_topic",
-                f"target_lang {target!r} does not match topic {rec.tp[0]!r} ({rec.lang!r})",
-            )
-        engine_langs = tuple(getattr(self.engine, "languages", ()) or ())
-        if source and engine_langs and source not in engine_langs:
-            return (
-                "REJECTED",
-                "unknown_language",
-                f"unknown source language {source!r}; the model knows {', '.join(engine_langs)}",
-            )
-        if not text or not text.strip():
-            return "REJECTED", "empty_text", "text is empty"
-        size = len(text.encode("utf-8"))
-        if size > self.settings.max_text_bytes:
-            return (
-                "REJECTED",
-                "too_large",
-                f"text is {size} bytes; the limit is {self.settings.max_text_bytes}",
-            )
-        deadline = req.get("deadline")
-        if deadline is not None:
-            late_ms = self._now_ms() - int(deadline)
-            if late_ms >= 0:
-                return (
-                    "EXPIRED",
-                    "deadline_passed",
-                    f"deadline passed {late_ms} ms before the worker read the request",
-                )
-        return None
+        return validate_request(
+            rec.request,
+            topic=rec.tp[0],
+            topic_lang=rec.lang,
+            served=self.settings.languages,
+            engine_languages=tuple(getattr(self.engine, "languages", ()) or ()),
+            max_text_bytes=self.settings.max_text_bytes,
+            now_ms=self._now_ms(),
+        )
 
-    def _submit(self, rec: _Record) -> None:
+    def _submit(self, rec: ConsumedRecord) -> None:
         req = rec.request
         rid = rec.request_id
         deadline_ms = req.get("deadline")
@@ -494,7 +394,7 @@ class Worker:
                 rec, "ERROR", "engine_error", f"engine refused the request: {exc!r}"
             )
             return
-        self._inflight[rid] = _InFlight(rid, rec.lang, handle, [rec], self._now_ms())
+        self._inflight[rid] = InFlight(rid, rec.lang, handle, [rec], self._now_ms())
         self.intake.on_enqueued(rec.lang)
         done = self._done
 
@@ -521,34 +421,16 @@ class Worker:
                 for rec in inflight.records:
                     self._dead_letter(rec, "poison", exc)
 
-    def _answer_from_engine(self, inflight: _InFlight, result: GenerationResult) -> None:
-        status = STATUS_OF.get(result.finish_reason, "ERROR")
+    def _answer_from_engine(self, inflight: InFlight, result: GenerationResult) -> None:
         lang = inflight.lang
-        first = inflight.records[0]
-        now_ms = self._now_ms()
-        total_ms = self._broker_to_now_ms(first, now_ms)
-        # Broker timestamp -> handed to the engine -> admitted by its scheduler.
-        queue_ms = max(0, inflight.submitted_ms - first.broker_ts_ms) + 1e3 * result.timings.queue_s
-        error = None
-        if status != "OK":
-            error = result.error or f"engine finished with {result.finish_reason.value}"
-        reply = self._result_record(
-            first,
-            status=status,
-            text=result.text if status == "OK" else "",
-            error=error,
+        reply = engine_reply(
+            inflight,
+            result,
+            worker_id=self.settings.worker_id,
             model_version=self.engine.model_version,
-            timings={
-                "queue_ms": float(min(queue_ms, total_ms)),
-                "prefill_ms": result.timings.prefill_s * 1e3,
-                "decode_ms": result.timings.decode_s * 1e3,
-                "total_ms": total_ms,
-            },
-            tokens_in=result.tokens_in,
-            tokens_out=result.tokens_out,
-            cached=result.cached_tokens,
-            now_ms=now_ms,
+            now_ms=self._now_ms(),
         )
+        status = reply["status"]
         value = encode_result(reply)
         m = self.metrics
         m.requests_total.labels(lang=lang, status=status).inc()
@@ -561,62 +443,21 @@ class Worker:
         for i, rec in enumerate(inflight.records):
             self._produce_reply(rec, value, store=(i == 0))
 
-    def _reply_without_engine(self, rec: _Record, status: str, reason: str, error: str) -> None:
+    def _reply_without_engine(
+        self, rec: ConsumedRecord, status: str, reason: str, error: str
+    ) -> None:
         now_ms = self._now_ms()
-        total = self._broker_to_now_ms(rec, now_ms)
-        reply = self._result_record(
-            rec,
-            status=status,
-            text="",
-            error=error,
-            model_version="",
-            timings={"queue_ms": total, "prefill_ms": 0.0, "decode_ms": 0.0, "total_ms": total},
-            tokens_in=0,
-            tokens_out=0,
-            cached=0,
-            now_ms=now_ms,
+        reply = plain_reply(
+            rec, worker_id=self.settings.worker_id, status=status, error=error, now_ms=now_ms
         )
         self.metrics.requests_total.labels(lang=rec.lang, status=status).inc()
         self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()
-        self.metrics.e2e_latency_seconds.labels(lang=rec.lang).observe(total / 1e3)
+        self.metrics.e2e_latency_seconds.labels(lang=rec.lang).observe(
+            broker_to_now_ms(rec, now_ms) / 1e3
+        )
         self._produce_reply(rec, encode_result(reply), store=True)
 
-    def _broker_to_now_ms(self, rec: _Record, now_ms: int) -> float:
-        return float(max(0, now_ms - rec.broker_ts_ms))
-
-    def _result_record(
-        self,
-        rec: _Record,
-        *,
-        status: str,
-        text: str,
-        error: str | None,
-        model_version: str,
-        timings: dict[str, float],
-        tokens_in: int,
-        tokens_out: int,
-        cached: int,
-        now_ms: int,
-    ) -> dict[str, Any]:
-        req = rec.request
-        return {
-            "request_id": rec.request_id,
-            "status": status,
-            "text": text,
-            "error": error,
-            "model_version": model_version,
-            "source_lang": str(req.get("source_lang", "")),
-            "target_lang": str(req.get("target_lang", "")),
-            "timings": timings,
-            "tokens_in": int(tokens_in),
-            "tokens_out": int(tokens_out),
-            "cached_prefix_tokens": int(cached),
-            "worker_id": self.settings.worker_id,
-            "completed_at": now_ms,
-            "conversation_id": req.get("conversation_id"),
-        }
-
-    def _produce_reply(self, rec: _Record, value: bytes, *, store: bool) -> None:
+    def _produce_reply(self, rec: ConsumedRecord, value: bytes, *, store: bool) -> None:
         rid = rec.request_id
         topic = str(rec.request.get("reply_topic", ""))
         if store:
@@ -634,8 +475,8 @@ class Worker:
                         self.metrics.errors_total.labels(lang=rec.lang, reason="store_failed").inc()
                 self._mark_done(rec)
                 return
-            if err.code() in _MISSING_TOPIC_CODES:
-                self._topic_checks.pop(topic, None)
+            if err.code() in MISSING_TOPIC_CODES:
+                self._reply_topics.forget(topic)
                 self._dead_letter(rec, "reply_topic_missing", f"reply to {topic!r} failed: {err}")
             else:
                 self._dead_letter(rec, "reply_undeliverable", f"reply to {topic!r} failed: {err}")
@@ -647,7 +488,7 @@ class Worker:
                 self._answered.pop(rid, None)
             self._dead_letter(rec, "reply_undeliverable", exc)
 
-    def _dead_letter(self, rec: _Record, reason: str, exc: BaseException | str) -> None:
+    def _dead_letter(self, rec: ConsumedRecord, reason: str, exc: BaseException | str) -> None:
         """Write the record byte for byte to the dead-letter topic; its offset is done when
         that is delivered (or failed for good: a lost dead letter must not stall the
         partition's commits forever, so it is logged and counted instead)."""
@@ -657,18 +498,7 @@ class Worker:
             "dead letter %s[%d]@%d (%s): %s", rec.tp[0], rec.tp[1], rec.offset, reason, detail
         )
         try:
-            value = encode_dead_letter(
-                {
-                    "original": rec.value,
-                    "topic": rec.tp[0],
-                    "partition": rec.tp[1],
-                    "offset": rec.offset,
-                    "reason": reason,
-                    "exception": detail,
-                    "failed_at": self._now_ms(),
-                    "key": rec.key,
-                }
-            )
+            value = dead_letter_value(rec, reason, detail, self._now_ms())
 
             def on_delivery(err: KafkaError | None, _msg: Any) -> None:
                 if err is not None:
@@ -699,36 +529,11 @@ class Worker:
                 self._producer.poll(0.1)
         raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, "producer queue stays full"))
 
-    def _mark_done(self, rec: _Record) -> None:
-        if self.tracker.done(rec.tp, rec.offset):
-            self._done_since_commit += 1
+    def _mark_done(self, rec: ConsumedRecord) -> None:
+        self.partitions.mark_done(rec.tp, rec.offset)
 
     def _reply_topic_problem(self, topic: str) -> str | None:
-        """None when `topic` exists; else why no reply can go there. Cached per topic for
-        `topic_check_ttl_s` (a metadata round trip on the poll thread, once per topic)."""
-        if not _TOPIC_NAME_RE.match(topic):
-            return f"reply_topic {topic!r} is not a valid Kafka topic name"
-        now = time.monotonic()
-        cached = self._topic_checks.get(topic)
-        if cached is not None and now - cached[1] < self.settings.topic_check_ttl_s:
-            return cached[0]
-        problem: str | None
-        try:
-            md = self._producer.list_topics(topic=topic, timeout=5.0)
-            info = md.topics.get(topic)
-            if info is None:
-                problem = f"reply_topic {topic!r} does not exist"
-            elif info.error is not None and info.error.code() in _MISSING_TOPIC_CODES:
-                problem = f"reply_topic {topic!r} does not exist ({info.error.str()})"
-            else:
-                problem = None  # exists (maybe still electing a leader: the producer waits)
-        except KafkaException as exc:
-            log.warning("metadata check of %r failed (assuming it exists): %s", topic, exc)
-            return None
-        if len(self._topic_checks) > 10_000:
-            self._topic_checks.clear()
-        self._topic_checks[topic] = (problem, now)
-        return problem
+        return self._reply_topics.problem(self._producer, topic)
 
     # -- intake quotas ------------------------------------------------------------------------
 
@@ -747,39 +552,17 @@ class Worker:
             self._global_paused = True
         elif self._global_paused and total <= math.floor(cap * self.settings.low_water_ratio):
             self._global_paused = False
-        want = self._wanted_paused()
-        pause = [tp for tp in self._assigned - self._paused_tps if self.topic_lang[tp[0]] in want]
-        resume = [tp for tp in self._paused_tps if self.topic_lang[tp[0]] not in want]
-        if pause:
-            try:
-                self._consumer.pause([TopicPartition(t, p) for t, p in pause])
-                self._paused_tps.update(pause)
-            except KafkaException as exc:
-                log.warning("pause failed: %s", exc)
-        if resume:
-            try:
-                self._consumer.resume([TopicPartition(t, p) for t, p in resume])
-                self._paused_tps.difference_update(resume)
-            except KafkaException as exc:
-                log.warning("resume failed: %s", exc)
+        self.partitions.reconcile(self._consumer, self._wanted_paused())
 
     def paused_languages(self) -> set[str]:
         """Languages with at least one assigned partition paused now."""
-        return {self.topic_lang[t] for t, _ in self._paused_tps}
+        return self.partitions.paused_languages()
 
-    # -- rebalance ----------------------------------------------------------------------------
+    # -- rebalance (served from consume() on the poll thread) ---------------------------------
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         try:
-            keys = [(p.topic, p.partition) for p in partitions]
-            self.tracker.assign(keys)
-            consumer.incremental_assign(partitions)  # ourselves, so we may pause right after
-            self._assigned.update(keys)
-            want = self._wanted_paused()
-            pause = [p for p in partitions if self.topic_lang.get(p.topic) in want]
-            if pause:
-                consumer.pause(pause)
-                self._paused_tps.update((p.topic, p.partition) for p in pause)
+            keys = self.partitions.assign(consumer, partitions, self._wanted_paused())
             log.info("assigned %s", keys)
             self.assigned_event.set()
         except Exception:
@@ -789,8 +572,8 @@ class Worker:
         try:
             keys = {(p.topic, p.partition) for p in partitions}
             if not self._crash:  # close() after crash() revokes too: a crash commits nothing
-                self._commit(only=keys)
-            self._forget(keys)
+                self.partitions.commit(consumer, only=keys)
+            self.partitions.forget(keys)
             log.info("revoked %s", sorted(keys))
         except Exception:
             log.exception("on_revoke failed")
@@ -798,56 +581,16 @@ class Worker:
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         try:
             keys = {(p.topic, p.partition) for p in partitions}
-            self._forget(keys)  # no commit: the partitions already belong to someone else
+            self.partitions.forget(keys)  # no commit: they already belong to someone else
             log.warning("lost %s", sorted(keys))
         except Exception:
             log.exception("on_lost failed")
 
-    def _forget(self, keys: set[tuple[str, int]]) -> None:
-        # In-flight requests of these partitions still finish and are answered (the reply and
-        # the stored result help whoever owns the partition now); their offsets are ignored.
-        self.tracker.revoke(keys)
-        self._assigned.difference_update(keys)
-        self._paused_tps.difference_update(keys)
-
-    # -- commits ------------------------------------------------------------------------------
-
     def _maybe_commit(self) -> None:
-        now = time.monotonic()
-        if (
-            self._done_since_commit >= self.settings.commit_every
-            or now - self._last_commit >= self.settings.commit_interval_s
-        ):
-            self._commit()
+        self.partitions.maybe_commit(self._consumer)
 
-    def _commit(self, only: set[tuple[str, int]] | None = None) -> None:
-        self._last_commit = time.monotonic()
-        offsets = {
-            tp: o
-            for tp, o in self.tracker.committable().items()
-            if tp in self._assigned and (only is None or tp in only)
-        }
-        if only is None:
-            self._done_since_commit = 0
-        if not offsets:
-            return
-        try:
-            result = self._consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                asynchronous=False,
-            )
-        except KafkaException as exc:
-            self.metrics.commits_total.labels(outcome="failed").inc()
-            log.warning("commit of %s failed: %s", offsets, exc)
-            return
-        ok: dict[tuple[str, int], int] = {}
-        for tp in result or []:
-            if tp.error is None:
-                ok[(tp.topic, tp.partition)] = tp.offset
-            else:
-                log.warning("commit of %s[%d] failed: %s", tp.topic, tp.partition, tp.error)
-        self.tracker.mark_committed(ok)
-        self.metrics.commits_total.labels(outcome="ok" if ok else "failed").inc()
+    def _commit(self) -> None:
+        self.partitions.commit(self._consumer)
 
     # -- gauges -------------------------------------------------------------------------------
 
@@ -874,8 +617,8 @@ class Worker:
     def stats(self) -> Mapping[str, Any]:
         return {
             "in_flight": len(self._inflight),
-            "assigned": sorted(self._assigned),
-            "paused": sorted(self._paused_tps),
+            "assigned": sorted(self.partitions.assigned),
+            "paused": sorted(self.partitions.paused),
             "pending_offsets": self.tracker.total_pending(),
         }
 

@@ -15,23 +15,33 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+from kernels.attention import AttentionMetadata
+from workers.engine.config import ModelConfig
+from workers.engine.loader import model_from_hf_state_dict
 
 MODELS = ["smollm2", "gemma3"]
 MAX_NEW_TOKENS = 48
 # (file under the data dir, line, source language, target language)
 PROMPT_SOURCES = [
     ("tatoeba_laser/tatoeba.deu-eng.eng", 0, "English", "German"),
-    ("tatoeba_laser/tatoeba.deu-eng.deu", 1, "German", "English"),
     ("tatoeba_laser/tatoeba.fra-eng.fra", 0, "French", "English"),
     ("tatoeba_laser/tatoeba.fra-eng.eng", 3, "English", "French"),
     ("tatoeba_laser/tatoeba.spa-eng.spa", 2, "Spanish", "English"),
-    ("tatoeba_laser/tatoeba.ita-eng.eng", 4, "English", "Italian"),
     ("flores200_devtest/eng.devtest", 2, "English", "German"),
     ("flores200_devtest/ita.devtest", 0, "Italian", "English"),
     ("flores200_devtest/fra.devtest", 5, "French", "Spanish"),
     ("flores200_devtest/spa.devtest", 7, "Spanish", "Italian"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads spin against other
+    processes and run 3-10x slower; a single thread is steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def build_prompt(data_dir: Path, index: int) -> str:
@@ -58,6 +68,7 @@ def top2_gap(logits: torch.Tensor) -> str:
     return f"top1 {ids[0]} - top2 {ids[1]} = {(top.values[0] - top.values[1]).item():.5f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt_index", range(len(PROMPT_SOURCES)))
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_tokens_match_transformers(name, prompt_index, request, data_dir, greedy):
@@ -82,31 +93,91 @@ def test_greedy_tokens_match_transformers(name, prompt_index, request, data_dir,
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_chunked_prefill_matches_single_prefill(name, request, data_dir, greedy):
     loaded = request.getfixturevalue(name)
-    ids = loaded.tokenizer(build_prompt(data_dir, 6)).input_ids  # the longest (flores) prompt
-    single, single_logits = greedy(loaded.model, [ids], 12)
+    ids = loaded.tokenizer(build_prompt(data_dir, 4)).input_ids  # the longest (flores) prompt
+    single, single_logits = greedy(loaded.model, [ids], 8)
     for chunks in (2, 3):
-        chunked, chunked_logits = greedy(loaded.model, [ids], 12, prefill_chunks=chunks)
+        chunked, chunked_logits = greedy(loaded.model, [ids], 8, prefill_chunks=chunks)
         assert chunked == single, f"{chunks} chunks"
         torch.testing.assert_close(chunked_logits[0], single_logits[0], atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_batched_varlen_matches_single_sequences(name, request, data_dir, greedy):
     """Several sequences in one mixed step (chunked prefill) then batched decode, on scattered
     block tables, give each sequence the tokens it gets alone."""
     loaded = request.getfixturevalue(name)
-    prompts = [loaded.tokenizer(build_prompt(data_dir, i)).input_ids for i in (0, 2, 7)]
+    prompts = [loaded.tokenizer(build_prompt(data_dir, i)).input_ids for i in (0, 1, 5)]
     batched, batched_logits = greedy(
-        loaded.model, prompts, 12, prefill_chunks=2, shuffle_blocks=True, block_size=4
+        loaded.model, prompts, 8, prefill_chunks=2, shuffle_blocks=True, block_size=4
     )
     for b, ids in enumerate(prompts):
-        (alone,), alone_logits = greedy(loaded.model, [ids], 12)
-        mismatch = next((i for i, (x, y) in enumerate(zip(alone, batched[b])) if x != y), None)
+        (alone,), alone_logits = greedy(loaded.model, [ids], 8)
+        mismatch = next(
+            (i for i, (x, y) in enumerate(zip(alone, batched[b], strict=True)) if x != y), None
+        )
         assert mismatch is None, (
             f"sequence {b} diverges at {mismatch}: alone {top2_gap(alone_logits[mismatch][0])}, "
             f"batched {top2_gap(batched_logits[mismatch][b])}"
         )
         torch.testing.assert_close(batched_logits[0][b], alone_logits[0][0], atol=2e-3, rtol=1e-4)
+
+
+def tiny_hf_config(arch: str) -> Any:
+    """Small random configs that still exercise every flag (windows shorter than the text)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    common = dict(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        max_position_embeddings=256, attn_implementation="eager",
+    )  # fmt: skip
+    if arch == "llama":
+        return LlamaConfig(
+            num_hidden_layers=2, num_key_value_heads=2, rope_theta=500.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
+            **common,
+        )  # fmt: skip
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return Gemma3TextConfig(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=layer_types, query_pre_attn_scalar=24, rope_theta=10000.0,
+        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+        final_logit_softcapping=3.0, attn_logit_softcapping=5.0, **common,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tiny_random_model_matches_transformers(arch):
+    """Teacher-forced logits of a random tiny model: our paged prefill (2 chunks) + decode steps
+    against one full transformers forward. Sequences run past the sliding window."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf_config = tiny_hf_config(arch)
+    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial norms and larger weights than the init
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    config = ModelConfig.from_hf(hf_config)
+    assert config.arch == arch
+    model = model_from_hf_state_dict(hf_model.state_dict(), config)
+
+    tokens = torch.randint(0, hf_config.vocab_size, (30,))
+    with torch.inference_mode():
+        expected = hf_model(tokens[None], use_cache=False).logits[0].float()  # [S, V]
+        block_size, n_blocks = 4, 8
+        model.allocate_kv_cache({g: n_blocks + 1 for g in config.kv_groups}, block_size,
+                                torch.float32, "cpu")  # fmt: skip
+        table = list(range(n_blocks, 0, -1))  # non-contiguous ids
+        steps = [(0, 7), (7, 16)] + [(i, i + 1) for i in range(16, 30)]
+        got = []
+        for start, end in steps:
+            meta = AttentionMetadata.build([end - start], [end], [table], block_size)
+            hidden = model(tokens[start:end], torch.arange(start, end), dict.fromkeys(
+                config.kv_groups, meta))  # fmt: skip
+            got.append(model.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)

@@ -26,7 +26,10 @@ BATCHES = {
     "mixed": [(5, 5), (1, 17), (8, 30), (1, 3), (3, 40), (16, 16)],
 }
 DTYPES = [torch.float32, torch.bfloat16]
-TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # (atol, rtol)
+    torch.float32: (1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 2e-2),
+}
 
 
 def dense_reference(q, k, v, scale, window, softcap=None):
@@ -99,13 +102,15 @@ def test_paged_attention_matches_dense(heads, block_size, window, batch, dtype):
         [dense_reference(qb, kb, vb, scale, window) for qb, kb, vb in zip(qs, ks, vs, strict=True)]
     )
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_decode_path_equals_varlen_path(window, softcap):
-    q, k_cache, v_cache, meta, *_ = make_case(BATCHES["decode"], (8, 2, 32), 4, window, torch.float32)
+    seqs = BATCHES["decode"]
+    q, k_cache, v_cache, meta, *_ = make_case(seqs, (8, 2, 32), 4, window, torch.float32)
     fast = paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
     slow_meta = dataclasses.replace(meta, decode_only=False)
     slow = paged_attention(q, k_cache, v_cache, slow_meta, 0.3, window, softcap)

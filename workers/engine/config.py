@@ -58,7 +58,8 @@ class ModelConfig:
     @property
     def kv_groups(self) -> tuple[LayerType, ...]:
         """The KV cache groups this model uses, in a fixed order ("full" first)."""
-        return tuple(g for g in ("full", "sliding") if g in self.layer_types)
+        groups: tuple[LayerType, ...] = ("full", "sliding")
+        return tuple(g for g in groups if g in self.layer_types)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -100,7 +101,7 @@ class ModelConfig:
         )
         if model_type.startswith("gemma3"):
             if getattr(cfg, "use_bidirectional_attention", False):
-                raise NotImplementedError("bidirectional Gemma 3 (embedding models) is not supported")
+                raise NotImplementedError("bidirectional Gemma 3 (embedding models) unsupported")
             layer_types = tuple(
                 "sliding" if t == "sliding_attention" else "full" for t in cfg.layer_types
             )
@@ -116,7 +117,9 @@ class ModelConfig:
                 norm_one_plus=True,
                 post_norms=True,
                 final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None),
-                attn_logit_softcapping=getattr(cfg, "attn_logit_softcapping", None),
+                # transformers' Gemma 3 attention never applies attn_logit_softcapping (the
+                # released configs set it to null); follow the reference, not the field
+                attn_logit_softcapping=None,
                 **common,
             )
         if model_type == "llama":

@@ -295,6 +295,36 @@ def _directory_hash(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def model_from_hf_state_dict(
+    hf_state: dict[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Our `Transformer` (eval, no grad) holding a transformers state dict's weights."""
+    device = torch.device(device)
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in hf_state.items():
+        ours = hf_to_tolk_name(hf_name, config)
+        if ours is not None:
+            state[ours] = tensor.to(device=device, dtype=dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):  # no allocation, no random init
+        model = Transformer(config)
+    expected = set(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ValueError(f"missing weights {sorted(missing)}, unexpected {sorted(unexpected)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.reset_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
 def load_model(
     source: str,
     dtype: torch.dtype | None = None,
@@ -316,28 +346,13 @@ def load_model(
     t1 = time.perf_counter()
     config = _read_config(directory)
 
-    state: dict[str, torch.Tensor] = {}
-    for hf_name, tensor in _read_state_dict(directory).items():
-        ours = hf_to_tolk_name(hf_name, config)
-        if ours is not None:
-            state[ours] = tensor.to(device=device, dtype=dtype)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = Transformer(config)
-    expected = set(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise ValueError(f"{directory}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.reset_buffers(device)
-    model.eval().requires_grad_(False)
+    model = model_from_hf_state_dict(_read_state_dict(directory), config, dtype, device)
     t2 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(directory)
+    if config.eos_token_id is not None and tokenizer.eos_token_id not in config.eos_token_ids:
+        # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
+        # model config read from the same GGUF has the right id
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
     t3 = time.perf_counter()
     log.info(
         "loaded %s (%s, %s on %s) in %.1fs: source %.1fs, weights %.1fs, tokenizer %.1fs",

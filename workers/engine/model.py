@@ -111,8 +111,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_one_plus) if config.qk_norm else None
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_one_plus) if config.qk_norm else None
+        eps, one_plus = config.rms_norm_eps, config.norm_one_plus
+        self.q_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None  # per head
+        self.k_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        """Give every layer a paged cache [num_blocks[group], block_size, KVH, D] (block 0: null)."""
+        """Give each layer a paged cache [num_blocks[group], block_size, KVH, D]; block 0 = null."""
         cfg = self.config
         for layer in self.layers:
             block = cast(Block, layer)
@@ -227,7 +228,7 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # [T, D]
         if self.config.embed_scale != 1.0:
             x = x * self.embed_scale.to(x.dtype)
-        rope = {
+        rope: dict[str, tuple[Tensor, Tensor]] = {
             group: cast(RotaryEmbedding, self.rope[group])(positions, x.dtype)
             for group in self.config.kv_groups
         }

@@ -105,7 +105,7 @@ class PromptBuilder:
         ids = self._prefix_cache.get(target_lang)
         if ids is None:
             ids = self.tokenizer.encode(self.prefix_text(target_lang), add_special_tokens=False)
-            if self.bos_id is not None:
+            if self.bos_id is not None and self._t.get("add_bos", True):
                 ids = [self.bos_id, *ids]
             self._prefix_cache[target_lang] = ids
         return ids

@@ -64,7 +64,7 @@ from workers.engine.types import (
     RequestQueue,
     Timings,
 )
-from workers.fairness.latency_model import DeadlineAdmission, LatencyModel, Verdict
+from workers.fairness.latency_model import DeadlineAdmission, LatencyModel, LatencyPrior, Verdict
 from workers.fairness.policy import LanguagePolicy
 from workers.fairness.vtc import FCFSQueue, VTCQueue
 
@@ -72,13 +72,30 @@ if TYPE_CHECKING:
     from workers.engine.engine import Engine, EngineConfig
     from workers.engine.loader import LoadedModel
 
-__all__ = ["EngineAdmission", "FairEngine", "build_fair_engine"]
+__all__ = ["EngineAdmission", "FairEngine", "build_fair_engine", "prior_from_step_costs"]
 
 log = logging.getLogger(__name__)
 
 _EMA_ALPHA = 0.05  # per-language output-length mean: ~20 recent requests
 _EMA_MIN_SAMPLES = 8  # before this many, the request's own expected_output_tokens is used
 _MAX_REMEMBERED = 8192  # admitted requests awaiting observe()
+
+
+def prior_from_step_costs(
+    step_base_s: float, prefill_s_per_token: float, batch_s_per_seq: float
+) -> LatencyPrior:
+    """A latency prior from measured step costs (step = a + b * prefill + c * batch, the
+    simulator's `CostModel`): a request decoding `out` tokens in a batch of B spends `out` steps
+    of a + c * B, plus b per uncached prompt token for its prefill. Far closer than the generic
+    CPU prior on another machine, so the model predicts well before its first refit."""
+    return LatencyPrior(
+        base_s=step_base_s,  # the prefill step itself
+        prefill_s_per_token=prefill_s_per_token,
+        cached_s_per_token=0.0,
+        decode_s_per_token=step_base_s,
+        batch_s=0.0,
+        decode_s_per_token_per_seq=batch_s_per_seq,
+    )
 
 
 @dataclass(slots=True)

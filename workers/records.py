@@ -1,0 +1,39 @@
+"""What the worker holds between reading a record and answering it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.types import RequestHandle
+
+__all__ = ["ConsumedRecord", "InFlight"]
+
+
+@dataclass(slots=True)
+class ConsumedRecord:
+    """One consumed record the worker owes an answer (a reply or a dead letter)."""
+
+    tp: tuple[str, int]  # (topic, partition)
+    offset: int
+    key: bytes | None
+    value: bytes  # the raw record value (dead letters carry it byte for byte)
+    lang: str  # the topic's language: the metric label and the intake bucket
+    broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
+    request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.get("request_id", ""))
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A request in the engine, and every record waiting for its answer (redeliveries of the
+    same request id that arrived meanwhile join it instead of being translated twice)."""
+
+    request_id: str
+    lang: str  # the topic's language (intake bucket)
+    handle: RequestHandle  # the engine's future
+    records: list[ConsumedRecord]  # the first one is answered (and stored) first
+    submitted_ms: int  # wall clock when handed to the engine
