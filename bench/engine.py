@@ -194,8 +194,10 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         return {"skipped": f"quantize={args.quantize!r} not available: {type(exc).__name__}: {exc}"}
     load_s = time.perf_counter() - t0
     kv_bytes = kv_cache_bytes(engine.model)
-    dtype = (args.dtype or "float32") + (f"+{args.quantize}" if args.quantize else "")
     param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in engine.model.parameters()})
+    dtype = args.dtype or "float32"
+    if args.quantize:  # e.g. int8 weights with bfloat16 activations: "int8-w/bfloat16"
+        dtype = f"{args.quantize}-w/{'+'.join(param_dtypes)}"
     if args.prefix_cache:
         engine.warm([TARGET_LANG])
 
@@ -559,6 +561,7 @@ def ratios(rows: list[JSON]) -> list[JSON]:
             if ref is None:
                 continue
             entry[f"tolk/{other}"] = {
+                "other_dtype": ref["dtype"],
                 "decode_tok_s": safe_ratio(med(tolk, "decode_tok_s"), med(ref, "decode_tok_s")),
                 "aggregate_tok_s": safe_ratio(
                     med(tolk, "aggregate_tok_s"), med(ref, "aggregate_tok_s")

@@ -41,6 +41,7 @@ from workers.engine.scheduler import (
     SchedulerOutput,
     SequenceState,
 )
+from workers.engine.swaps import convert_for_runtime, pack_linears
 from workers.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -60,7 +61,8 @@ class EngineConfig:
     model: str = "gemma3-270m"  # preset name, .gguf path or HF checkpoint directory
     dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
     device: str = "cpu"
-    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/quantize.py)
+    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
+    pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
     max_num_seqs: int = 32  # running batch cap
@@ -95,6 +97,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.model = loaded.model
+        if self.config.pack_weights:
+            pack_linears(self.model)  # no-op unless float32 nn.Linear on CPU
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
         self.device = next(self.model.parameters()).device
@@ -138,8 +142,6 @@ class Engine:
         dtype = getattr(torch, config.dtype) if config.dtype else None
         loaded = load_model(config.model, dtype=dtype, device=config.device)
         if config.quantize:
-            from workers.engine.quantize import convert_for_runtime
-
             convert_for_runtime(loaded.model, config.quantize)
         return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
 
@@ -166,10 +168,16 @@ class Engine:
         max_new_tokens: int | None = None,
     ) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
-        return self.submit(self.translation_request(
-            text, source_lang, target_lang, request_id=request_id, deadline=deadline,
-            max_new_tokens=max_new_tokens,
-        ))
+        return self.submit(
+            self.translation_request(
+                text,
+                source_lang,
+                target_lang,
+                request_id=request_id,
+                deadline=deadline,
+                max_new_tokens=max_new_tokens,
+            )
+        )
 
     def translation_request(
         self,
@@ -190,7 +198,11 @@ class Engine:
             ignore_eos=ignore_eos,
         )
         return GenerationRequest(
-            request_id or uuid.uuid4().hex, ids, params, group=target_lang, deadline=deadline,
+            request_id or uuid.uuid4().hex,
+            ids,
+            params,
+            group=target_lang,
+            deadline=deadline,
             expected_output_tokens=min(params.max_new_tokens, 2 * len(ids) // 3 + 8),
         )
 
@@ -305,9 +317,7 @@ class Engine:
         sampling = [i for i, c in enumerate(out.chunks) if c.samples]
         if not sampling:
             return {}
-        ends = torch.tensor(
-            [sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device
-        )
+        ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, ends))  # [N, V] float32
         return self._sample([out.chunks[i].seq for i in sampling], logits)
 

@@ -1,0 +1,57 @@
+"""Runtime swaps: MKL-packed projections are bit-identical; int8 stays close to float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers.engine.swaps import (
+    MKLPackedLinear,
+    WeightOnlyInt8Linear,
+    mkl_packing_available,
+    pack_linears,
+    quantize_int8,
+)
+
+SHAPES = [(1, 64, 96), (3, 576, 1536), (32, 576, 192), (130, 128, 64)]  # (M, K, N)
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_packed_linear_is_bit_identical(m: int, k: int, n: int) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=False)
+    x = torch.randn(m, k)
+    packed = MKLPackedLinear(lin)
+    assert torch.equal(packed(x), lin(x))
+    assert torch.equal(packed(x[None]), lin(x[None]))  # leading dims kept
+
+
+@pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+def test_pack_linears_swaps_only_float32_cpu_linears() -> None:
+    model = nn.Sequential(
+        nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    )
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], MKLPackedLinear)
+    assert isinstance(model[1], nn.Linear)
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (1536, 576)])
+def test_int8_quantization_error_is_bounded(n: int, k: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (n,)
+    err = (q.float() * scales[:, None] - w).abs()
+    assert torch.all(err <= scales[:, None] / 2 + 1e-6)  # at most half a quantization step
+
+
+def test_int8_linear_matches_dequantized_reference() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 192, bias=False)
+    q8 = WeightOnlyInt8Linear(lin, torch.bfloat16)
+    x = torch.randn(4, 576)
+    ref = x @ (q8.weight.float() * q8.scales.float()[:, None]).T
+    torch.testing.assert_close(q8(x).float(), ref, rtol=2e-2, atol=5e-2)
