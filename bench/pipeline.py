@@ -276,7 +276,8 @@ def open_loop(
         "requests": n,
         "answered": len(answered),
         "complete": complete,
-        "achieved_send_rate_per_s": round(n / max(1e-9, send_end - t0), 3),
+        # (n - 1) gaps between the first and the last scheduled send
+        "achieved_send_rate_per_s": round((n - 1) / max(1e-9, send_end - t0), 3) if n > 1 else None,
         "send_lag_ms_max": round(max(late, default=0.0) * 1e3, 1),
         "throughput_per_s": round(len(answered) / max(1e-9, last - t0), 3),
         "latency_ms_from_scheduled_send": {
