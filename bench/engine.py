@@ -615,7 +615,10 @@ def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file:
 
 
 def parent_main(args: argparse.Namespace) -> JSON:
+    import os
+
     started = time.time()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # a busy machine makes noisy numbers
     summary: JSON = {
         "benchmark": "engine",
         "config": {
@@ -685,7 +688,10 @@ def parent_main(args: argparse.Namespace) -> JSON:
     summary["ratios"] = ratios(rows)
     import torch
 
-    summary["machine"] = machine_info(args.threads) | {"torch": torch.__version__}
+    summary["machine"] = machine_info(args.threads) | {
+        "torch": torch.__version__,
+        "loadavg_start": load_at_start,
+    }
     summary["wall_s"] = round(time.time() - started, 1)
     return summary
 

@@ -115,23 +115,23 @@ def worker(
     )
     logging.getLogger(__name__).info("settings: %r", settings)
 
-    from workers.engine.engine import Engine, EngineConfig
-    from workers.fairness.vtc import VTCQueue
+    from workers.engine.engine import EngineConfig
+    from workers.fairness.admission import build_fair_engine
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
-    engine = Engine.from_config(
+    # Weighted fair share (VTC) across languages, deadline admission, no OK after a deadline.
+    # EngineConfig.warm_languages puts each language's prompt prefix into the prefix cache
+    # before the first request.
+    engine = build_fair_engine(
         EngineConfig(
             model=settings.model,
             device=device,
             warm_languages=tuple(settings.languages),
             max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
         ),
-        request_queue=VTCQueue.from_policies(policies),
+        policies,
     )
-    # Prompt prefixes into the prefix cache before the first request (the engine's thread is
-    # not running yet, so warm() drives it synchronously).
-    engine.warm([lang for lang in settings.languages if lang in engine.languages])
     Worker(settings, engine).run()
 
 

@@ -143,7 +143,11 @@ class Engine:
         loaded = load_model(config.model, dtype=dtype, device=config.device)
         if config.quantize:
             convert_for_runtime(loaded.model, config.quantize)
-        return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
+        engine = cls(loaded, config, **kwargs)  # type: ignore[arg-type]
+        warm = [lang for lang in config.warm_languages if lang in engine.languages]
+        if warm:
+            engine.warm(warm)  # synchronous: the loop thread is not running yet
+        return engine
 
     # -- submission (any thread) -----------------------------------------------------------
     def submit(self, request: GenerationRequest) -> RequestHandle:
