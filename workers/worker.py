@@ -275,6 +275,8 @@ class Worker:
 
     def _handle_batch(self, msgs: Iterable[Any]) -> None:
         ready: list[ConsumedRecord] = []
+        taken: dict[str, int] = {}  # records of this batch per language, not yet submitted
+        rewound: set[tuple[str, int]] = set()
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -283,6 +285,19 @@ class Worker:
             if self._draining:
                 continue  # not handed: stays above the commit point, read again later
             tp = (msg.topic(), msg.partition())
+            if tp in rewound:
+                continue  # read again from the rewound offset once the language resumes
+            lang = self.topic_lang.get(tp[0], "unknown")
+            if self._over_quota(lang, taken):
+                # One consume() batch can hold hundreds of a flooding language's records:
+                # handing them all over would blow its intake quota and the global cap (which
+                # pauses every language, the light ones too). Rewind the partition to this
+                # record instead; the language is paused at the end of the iteration.
+                with contextlib.suppress(KafkaException):
+                    self._consumer.seek(TopicPartition(tp[0], tp[1], msg.offset()))
+                    rewound.add(tp)
+                    continue
+            taken[lang] = taken.get(lang, 0) + 1
             if not self.tracker.track(tp, msg.offset()):
                 continue  # partition revoked meanwhile
             ts_type, ts = msg.timestamp()
@@ -301,6 +316,13 @@ class Worker:
                 self._dead_letter(rec, "poison", exc)
         if ready:
             self._dispatch(ready)
+
+    def _over_quota(self, lang: str, taken: Mapping[str, int]) -> bool:
+        """Would one more record of `lang` exceed its intake high water or the global cap?"""
+        high = self.intake.high_water(lang)
+        if high is not None and self.intake.depth(lang) + taken.get(lang, 0) >= high:
+            return True
+        return len(self._inflight) + sum(taken.values()) >= self.settings.max_in_flight
 
     def _on_consume_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from workers.engine.types import (
     FinishReason,
@@ -295,6 +295,7 @@ class FakeConsumer:
         self._position: dict[tuple[str, int], int] = {}
         self.paused: set[tuple[str, int]] = set()
         self.pause_calls = 0
+        self.seeks: list[tuple[tuple[str, int], int]] = []
         self.closed = False
         self._assigned = False
 
@@ -351,6 +352,15 @@ class FakeConsumer:
         if not out and timeout > 0:
             time.sleep(min(timeout, 0.01))
         return out
+
+    def seek(self, partition: TopicPartition) -> None:
+        """Fetch this partition from `partition.offset` on (as librdkafka's seek)."""
+        tp = (partition.topic, partition.partition)
+        if tp not in self._position:
+            raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION))
+        self.seeks.append((tp, partition.offset))
+        with self.broker.lock:
+            self._position[tp] = partition.offset
 
     def pause(self, partitions: list[TopicPartition]) -> None:
         self.pause_calls += 1

@@ -284,7 +284,7 @@ def test_intake_pauses_a_flooded_language_and_resumes_at_low_water() -> None:
     r = make_rig(policies=policies)
     try:
         r.engine.hold()
-        for i in range(6):  # fetched in one poll: all accepted, depth 6 >= high water 4
+        for i in range(6):  # fetched in one poll: 4 taken (high water), the partition rewound
             r.send(request_bytes(f"de{i}"), "de", key=str(i).encode())
         wait_for(lambda: r.worker.paused_languages() == {"de"}, what="de paused")
         for i in range(6, 30):  # arrive while paused: not fetched
@@ -294,9 +294,11 @@ def test_intake_pauses_a_flooded_language_and_resumes_at_low_water() -> None:
         wait_for(lambda: "fr1" in r.engine.submitted, what="fr accepted while de paused")
         time.sleep(0.1)
         assert r.worker.paused_languages() == {"de"}
-        assert r.engine.pending() == 7  # 6 German + 1 French
+        assert r.engine.pending() == 5  # 4 German (its high water) + 1 French
+        seeks = r.worker._consumer.seeks  # the 2 records over high water were rewound
+        assert seeks and {tp[0] for tp, _ in seeks} == {request_topic("de")}
         wait_for(lambda: r.metric("tolk_worker_paused", lang="de") == 1, what="paused gauge")
-        assert r.metric("tolk_worker_in_flight", lang="de") == 6
+        assert r.metric("tolk_worker_in_flight", lang="de") == 4
         r.engine.release()
         wait_for(lambda: r.reply_count() == 31, what="all answered after resume")
         assert r.worker.paused_languages() == set()
