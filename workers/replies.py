@@ -91,7 +91,12 @@ def engine_reply(
     # Broker timestamp -> handed to the engine -> admitted by its scheduler.
     queue_ms = max(0, inflight.submitted_ms - first.broker_ts_ms) + 1e3 * result.timings.queue_s
     error = None
-    if status != "OK":
+    deadline = first.request.get("deadline")
+    if status == "OK" and deadline is not None and now_ms > int(deadline):
+        # Never an OK after the deadline: the caller has given up on it by then.
+        status = "EXPIRED"
+        error = f"translated {now_ms - int(deadline)} ms after the request's deadline"
+    elif status != "OK":
         error = result.error or f"engine finished with {result.finish_reason.value}"
     return result_record(
         first,

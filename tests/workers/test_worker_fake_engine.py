@@ -426,3 +426,27 @@ def test_settings_from_env_and_secret_masking() -> None:
         Settings.from_env({"TOLK_MAX_IN_FLIGHT": "many"})
     with pytest.raises(AttributeError):
         s.bootstrap = "x"  # type: ignore[misc]
+
+
+class _IgnoresDeadlines(FakeEngine):
+    """An engine that finishes OK whatever the deadline (as a plain Engine may, once admitted)."""
+
+    def submit_translation(self, **kw: Any) -> Any:
+        kw["deadline"] = None
+        return super().submit_translation(**kw)
+
+
+def test_no_ok_reply_after_the_deadline() -> None:
+    r = make_rig(engine=_IgnoresDeadlines(delay_s=0.4))
+    try:
+        r.send(request_bytes("late-ok", deadline=now_ms() + 150), "de")
+        r.send(request_bytes("in-time", deadline=now_ms() + 60_000), "de")
+        wait_for(lambda: r.reply_count() == 2)
+        replies = r.replies()
+        assert replies["late-ok"]["status"] == "EXPIRED"
+        assert "after the request's deadline" in replies["late-ok"]["error"]
+        assert replies["late-ok"]["text"] == ""
+        assert replies["in-time"]["status"] == "OK"
+    finally:
+        r.worker.stop()
+        r.thread.join(10)
