@@ -10,7 +10,13 @@ the worker process uses the default registry and `start_http_server(port)`.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from workers.fairness.vtc import jain_index
 
 __all__ = ["WorkerMetrics"]
 
@@ -103,6 +109,42 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        # -- weighted fair share (read from the engine's waiting queue) --
+        self.weighted_service = Gauge(
+            "worker_weighted_service_tokens",
+            "Service delivered: uncached prompt tokens + 2 x output tokens, per language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.vtc_counter = Gauge(
+            "worker_vtc_counter",
+            "The language's virtual token counter (weight-normalized service plus lifts).",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "worker_engine_queue_depth",
+            "Requests of the language waiting in the engine for admission.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.slo_attainment = Gauge(
+            "worker_slo_attainment_ratio",
+            "Share of the language's last 256 OK replies within its latency SLO.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.jain_index = Gauge(
+            "worker_jain_index",
+            "Jain's index of weight-normalized service over the languages now backlogged.",
+            namespace=ns,
+            registry=registry,
+        )
+        self._slo_window: dict[str, deque[bool]] = {}
         self.commits_total = Counter(
             "worker_commits_total",
             "Offset commits, by outcome (ok / failed).",
@@ -119,3 +161,26 @@ class WorkerMetrics:
             self.tokens_generated_total.labels(lang=lang)
             for status in ("OK", "ERROR", "REJECTED", "EXPIRED"):
                 self.requests_total.labels(lang=lang, status=status)
+
+    def observe_slo(self, lang: str, latency_s: float, slo_s: float | None) -> None:
+        """Record one OK reply against the language's SLO (rolling window of 256)."""
+        if slo_s is None:
+            return
+        window = self._slo_window.setdefault(lang, deque(maxlen=256))
+        window.append(latency_s <= slo_s)
+        self.slo_attainment.labels(lang=lang).set(sum(window) / len(window))
+
+    def update_fairness(self, queue: Any) -> None:
+        """Copy the waiting queue's ledger (VTCQueue or FCFSQueue) into the gauges."""
+        service: Mapping[str, float] = queue.service_by_group()
+        normalized: Mapping[str, float] = queue.service_by_group(normalized=True)
+        counters: Mapping[str, float] = queue.counters()
+        depths: Mapping[str, int] = queue.depths()
+        for lang, value in service.items():
+            self.weighted_service.labels(lang=lang).set(value)
+        for lang, value in counters.items():
+            self.vtc_counter.labels(lang=lang).set(value)
+        for lang, depth in depths.items():
+            self.queue_depth.labels(lang=lang).set(depth)
+        backlogged = [normalized.get(g, 0.0) for g, d in depths.items() if d > 0]
+        self.jain_index.set(jain_index(backlogged))

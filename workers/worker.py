@@ -462,6 +462,10 @@ class Worker:
         self._tokens_window.append((time.monotonic(), result.tokens_out))
         m.queue_seconds.labels(lang=lang).observe(max(0.0, reply["timings"]["queue_ms"]) / 1e3)
         m.e2e_latency_seconds.labels(lang=lang).observe(reply["timings"]["total_ms"] / 1e3)
+        if status == "OK":
+            policy = self.settings.policies.get(lang)
+            slo_s = policy.slo_p99_s if policy is not None else None
+            m.observe_slo(lang, reply["timings"]["total_ms"] / 1e3, slo_s)
         for i, rec in enumerate(inflight.records):
             self._produce_reply(rec, value, store=(i == 0))
 
@@ -625,6 +629,11 @@ class Worker:
         for lang in self.settings.languages:
             self.metrics.in_flight.labels(lang=lang).set(self.intake.depth(lang))
             self.metrics.paused.labels(lang=lang).set(1 if lang in paused else 0)
+        queue = getattr(self.engine, "queue", None)  # FairEngine exposes its VTC/FCFS queue
+        if queue is not None and hasattr(queue, "service_by_group"):
+            # RuntimeError: the engine thread resized a ledger dict meanwhile; next time then
+            with contextlib.suppress(RuntimeError):
+                self.metrics.update_fairness(queue)
         window_s = 5.0
         while self._tokens_window and now - self._tokens_window[0][0] > window_s:
             self._tokens_window.popleft()
