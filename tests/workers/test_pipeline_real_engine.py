@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from replay.datasets import bcontrast, tatoeba_pairs
 from schemas.codec import decode_result, encode_request
 from tests.workers.fakes import TopicReader, create_prefixed_topics
+from tests.workers.polling import wait_for
 from topics.catalog import REPLIES, request_topic
 from workers.engine.engine import Engine, EngineConfig
 from workers.fairness.policy import LanguagePolicy
@@ -38,15 +38,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]
 LANGS = ("de", "fr", "es", "it")
 PER_LANG = 100
 MAX_NEW_TOKENS = 24
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def english_inputs(lang: str, n: int) -> list[str]:

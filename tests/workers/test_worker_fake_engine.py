@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from schemas.codec import decode_dead_letter, decode_result, encode_request, encode_result
 from tests.workers.fakes import FAIL_MARKER, FakeBroker, FakeEngine, fake_translation
+from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.engine.types import FinishReason
 from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy
@@ -53,15 +54,6 @@ def request_bytes(
             "metadata": {},
         }
     )
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what or pred}")
 
 
 @dataclass

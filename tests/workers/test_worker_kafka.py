@@ -24,6 +24,7 @@ from tests.workers.fakes import (
     create_prefixed_topics,
     fake_translation,
 )
+from tests.workers.polling import wait_for as _wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.settings import Settings
 from workers.worker import Worker
@@ -38,12 +39,8 @@ def now_ms() -> int:
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what or pred}")
+    """Broker round trips: a longer default than the in-memory tests."""
+    _wait_for(pred, timeout, what)
 
 
 class Env:

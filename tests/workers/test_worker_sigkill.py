@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +33,7 @@ from confluent_kafka import Producer
 
 from schemas.codec import decode_result, encode_request
 from tests.workers.fakes import TopicReader, create_prefixed_topics
+from tests.workers.polling import wait_for
 from topics.catalog import REPLIES, request_topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]
@@ -70,15 +71,6 @@ def ready():
 threading.Thread(target=ready, daemon=True).start()
 worker.run()
 """
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class WorkerProcess:
