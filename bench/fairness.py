@@ -7,7 +7,8 @@ Prints one JSON document (and writes it to --out). Parts:
 * calibration (always first): times real engine steps with the configured model at a few batch
   sizes and prefill sizes and fits `step = a + b * prefill_tokens + c * batch` by least squares
   (`CostModel`); the same steps' requests feed a `LatencyModel`, whose held-out median absolute
-  error is reported.
+  error is reported. Then the engine's capacity is *measured* (`measure_capacity`): the real
+  run's rates are multiples of it (the cost model's estimate is reported beside it).
 * sim: `workers.fairness.simulate` with the measured cost model: weights de 4, fr 3, es 2,
   it 1; de/fr/es together offer `--overload` x capacity, Italian `--light-fraction` of it. VTC
   and FCFS side by side: Jain index and weight-normalized service of the backlogged languages,
@@ -49,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from workers.fairness.latency_model import LatencyModel
-from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy
+from workers.fairness.policy import DEFAULT_BURST_TOKENS, DEFAULT_POLICIES, LanguagePolicy
 from workers.fairness.simulate import CostModel, issue_scenario, simulate
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, jain_index
 
@@ -168,6 +169,32 @@ def calibrate(engine: Any, texts: Sequence[str], max_batch: int, out_tokens: int
     }
 
 
+def measure_capacity(
+    engine: Any, texts: Sequence[str], max_batch: int, max_new_tokens: int, seed: int = 2
+) -> dict:
+    """Requests per second the engine finishes when saturated, measured: 6 x max_batch requests
+    of the benchmark's own mix (random texts, the four languages, real stop rules) submitted at
+    once and run to completion. The simulator's analytic estimate assumes every request runs to
+    0.75 x max_new_tokens and no per-request overhead, and overestimated capacity ~2x on CPU."""
+    rng = random.Random(seed)
+    langs = list(WEIGHTS)
+    reqs = [
+        engine.translation_request(
+            rng.choice(texts), "en", langs[i % 4], max_new_tokens=max_new_tokens
+        )
+        for i in range(6 * max_batch)
+    ]
+    t0 = time.perf_counter()
+    results = engine.generate(reqs)
+    dt = time.perf_counter() - t0
+    return {
+        "capacity_rps": len(reqs) / dt,
+        "requests": len(reqs),
+        "seconds": dt,
+        "mean_tokens_out": sum(r.tokens_out for r in results) / len(results),
+    }
+
+
 def auto_slo_scale(
     cost: CostModel, max_batch: int, prompt_tokens: float, out_tokens: int, budget: int
 ) -> float:
@@ -220,6 +247,7 @@ def run_sim(args: argparse.Namespace, cal: dict, slo_scale: float) -> dict:
             max_batch=args.max_num_seqs,
             prompt_tokens=(max(1, lo), max(lo + 1, hi)),
             output_tokens=out_rng,
+            burst_tokens=args.burst_tokens,
         )
         langs = {
             g: dataclasses.replace(v, slo_s=v.slo_s * slo_scale) for g, v in cfg.languages.items()
@@ -336,6 +364,7 @@ def run_real_arm(
         loaded,
         policies,
         fair=(arm != "fcfs"),
+        burst_tokens=args.burst_tokens,
         latency_model=LatencyModel(prior_from_step_costs(**dataclasses.asdict(cost))),
         config=EngineConfig(
             kv_cache_tokens=args.kv_cache_tokens,
@@ -503,6 +532,7 @@ def _real_summary(
                     dec[w] += 1
         attain = [m / d if d else math.nan for m, d in zip(met, dec, strict=True)]
         per_lang[g] = {
+            "phases_ms": _phases(g, sent, replies, warm, stop),
             "weight": WEIGHTS[g],
             "slo_s": policies[g].slo_p99_s,
             "sent_in_window": sum(
@@ -542,6 +572,38 @@ def _real_summary(
     }
 
 
+def _phases(
+    lang: str,
+    sent: Mapping[str, tuple[str, float, int | None]],
+    replies: Mapping[str, tuple[int, dict[str, Any]]],
+    warm: float,
+    stop: float,
+) -> dict[str, dict[str, float]]:
+    """Where an OK request's latency went (p50 / p99 / max, ms), from the reply's timings:
+    `to_worker` (scheduled send -> broker timestamp: producer batching), `queue` (broker
+    timestamp -> admitted by the scheduler: Kafka fetch + intake + engine queue), `prefill`,
+    `decode`, `reply_leg` (result produced -> read by the client) and `end_to_end`."""
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("to_worker", "queue", "prefill", "decode", "reply_leg", "end_to_end")
+    }
+    for rid, (g, at, _) in sent.items():
+        got = replies.get(rid)
+        if g != lang or got is None or got[1]["status"] != "OK" or not warm <= at < stop:
+            continue
+        recv_ms, r = got
+        t = r["timings"]
+        e2e = recv_ms - at * 1000
+        rows["end_to_end"].append(e2e)
+        rows["queue"].append(t["queue_ms"])
+        rows["prefill"].append(t["prefill_ms"])
+        rows["decode"].append(t["decode_ms"])
+        rows["reply_leg"].append(recv_ms - r["completed_at"])
+        rows["to_worker"].append(e2e - t["total_ms"] - (recv_ms - r["completed_at"]))
+    return {
+        k: {"p50": _pct(v, 50), "p99": _pct(v, 99), "max": max(v)} for k, v in rows.items() if v
+    }
+
+
 def run_real(
     args: argparse.Namespace, loaded: Any, cal: dict, slo_scale: float, texts: Sequence[str]
 ) -> dict:
@@ -549,7 +611,8 @@ def run_real(
 
     lo, hi = cal["uncached_prompt_tokens"]
     out = 0.75 * args.max_new_tokens
-    cap = estimate_capacity_rps(
+    cap = cal["capacity"]["capacity_rps"]
+    cap_model = estimate_capacity_rps(
         (lo + hi) / 2, out, args.max_num_batched_tokens, args.max_num_seqs, cal["_cost"]
     )
     heavy = args.overload * cap / len(HEAVY)
@@ -559,7 +622,12 @@ def run_real(
     for arm in args.arms.split(","):
         log.info("real arm %s: rates %s", arm, rates)
         arms[arm] = run_real_arm(loaded, arm, args, rates, policies, texts, cal["_cost"])
-    out_d: dict[str, Any] = {"capacity_rps_estimate": cap, "rates_rps": rates, "arms": arms}
+    out_d: dict[str, Any] = {
+        "capacity_rps_measured": cap,
+        "capacity_rps_cost_model": cap_model,
+        "rates_rps": rates,
+        "arms": arms,
+    }
     if "vtc" in arms and "fcfs" in arms:
         v, f = arms["vtc"], arms["fcfs"]
         out_d["throughput_ratio_vtc_over_fcfs"] = (
@@ -699,6 +767,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real-drain", type=float, default=20.0)
     p.add_argument("--arms", default="vtc,fcfs,vtc-deadline")
     p.add_argument("--high-water", type=int, default=64, help="intake max_queue per language")
+    p.add_argument(
+        "--burst-tokens",
+        type=float,
+        default=DEFAULT_BURST_TOKENS,
+        help="VTC burst credit of a language back from idle (0: the paper's lift)",
+    )
     p.add_argument("--bootstrap", default="127.0.0.1:9092")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--memory-requests", type=int, default=100_000)
@@ -739,6 +813,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ),
     )
     cal = calibrate(cal_engine, texts, args.max_num_seqs)
+    cal["capacity"] = measure_capacity(cal_engine, texts, args.max_num_seqs, args.max_new_tokens)
     del cal_engine
     lo, hi = cal["uncached_prompt_tokens"]
     scale = (

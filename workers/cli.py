@@ -131,6 +131,7 @@ def worker(
             max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
         ),
         policies,
+        burst_tokens=settings.burst_tokens,
     )
     Worker(settings, engine).run()
 

@@ -32,7 +32,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy, parse_policies
+from workers.fairness.policy import (
+    DEFAULT_BURST_TOKENS,
+    DEFAULT_POLICIES,
+    LanguagePolicy,
+    parse_policies,
+)
 
 __all__ = ["Settings", "default_worker_id"]
 
@@ -62,6 +67,7 @@ class Settings:
     )  # per-language weight, SLO, intake high water, output cap
     result_ttl_s: int = 24 * 3600  # how long a result stays in redis for redeliveries
     max_in_flight: int = 1024  # requests in the engine, all languages together
+    burst_tokens: int = DEFAULT_BURST_TOKENS  # VTC burst credit of a language back from idle
     topic_prefix: str = ""  # prepended to request and dead-letter topics (tests, tenants)
     low_water_ratio: float = 0.5  # intake resumes a language at floor(high * ratio)
     poll_timeout_s: float = 0.05  # consumer poll; the loop never blocks longer than this
@@ -83,6 +89,8 @@ class Settings:
             raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes!r}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight!r}")
+        if self.burst_tokens < 0:
+            raise ValueError(f"burst_tokens must be >= 0, got {self.burst_tokens!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
         if not isinstance(self.policies, MappingProxyType):
@@ -154,6 +162,7 @@ class Settings:
             "METRICS_PORT": "metrics_port",
             "RESULT_TTL_S": "result_ttl_s",
             "MAX_IN_FLIGHT": "max_in_flight",
+            "BURST_TOKENS": "burst_tokens",
         }
         for env_name, attr in int_fields.items():
             value = get(env_name)

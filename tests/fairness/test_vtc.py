@@ -102,6 +102,43 @@ def test_counter_lift_to_min_backlogged_after_idle() -> None:
     assert drain(q, prefill=30) == ["a3", "b1", "a4", "b2", "b3"]
 
 
+def test_burst_credit_lets_a_returning_group_go_ahead_by_burst_tokens() -> None:
+    # weights a:1, b:2; burst 60 tokens. a is backlogged and served up to counter 100.
+    q = VTCQueue({"a": 1.0, "b": 2.0}, burst_tokens=60)
+    for i in range(1, 4):
+        q.push(req(f"a{i}", "a", arrival=i))
+    q.charge(q.pop(), 100, 0)  # a1: a = 100
+    q.push(req("b1", "b", arrival=10))
+    q.push(req("b2", "b", arrival=11))
+    q.push(req("b3", "b", arrival=12))
+    # b lifted to 100 - 60 / 2 = 70, not to 100: 60 weighted tokens of credit
+    assert q.counters()["b"] == 70.0
+    # every admission charged 20 tokens: b +10, a +20
+    # (a,b): (100,70) b1 (100,80) b2 (100,90) b3 (100,100) -> a2, a3
+    assert drain(q, prefill=20) == ["b1", "b2", "b3", "a2", "a3"]
+    # the credit bought b exactly 60 tokens of service ahead of its weighted share
+    assert q.service_by_group()["b"] == 60.0
+
+
+def test_burst_credit_is_only_unused_share_of_an_idle_group() -> None:
+    # The credit lowers the lift's floor, never a counter: a group that was served up to or
+    # beyond the floor (it was not idle long) gets no credit, and the order stays the paper's.
+    orders = []
+    for burst in (0.0, 1000.0):
+        q = VTCQueue({"a": 1.0, "b": 1.0}, burst_tokens=burst)
+        for i in range(1, 4):
+            q.push(req(f"a{i}", "a", arrival=i))
+            q.push(req(f"b{i}", "b", arrival=i))
+        assert q.counters() == {"a": 0.0, "b": 0.0}
+        order = drain(q, prefill=10)  # both idle now, counters 30 / 30
+        q.push(req("b4", "b", arrival=4))  # floor 30 - 1000: b keeps its own 30
+        assert q.counters()["b"] == 30.0
+        orders.append(order)
+    assert orders[0] == orders[1] == ["a1", "b1", "a2", "b2", "a3", "b3"]
+    with pytest.raises(ValueError):
+        VTCQueue(burst_tokens=-1)
+
+
 def test_lift_never_lowers_a_counter() -> None:
     q = VTCQueue()
     q.push(req("b1", "b"))

@@ -405,10 +405,12 @@ def test_settings_from_env_and_secret_masking() -> None:
             "TOLK_SASL_PASSWORD": "hunter2",
             "TOLK_MAX_TEXT_BYTES": "10",
             "TOLK_POLICIES": "de:5:1.5:8",
+            "TOLK_BURST_TOKENS": "64",
         },
         metrics_port=0,
     )
     assert s.languages == ("de", "fr")
+    assert s.burst_tokens == 64 and Settings().burst_tokens == 256
     assert s.max_text_bytes == 10 and s.metrics_port == 0
     assert s.policies["de"].max_queue == 8 and s.policies["it"] == DEFAULT_POLICIES["it"]
     assert "hunter2" not in repr(s) and "***" in repr(s)
@@ -416,6 +418,8 @@ def test_settings_from_env_and_secret_masking() -> None:
     assert Settings(worker_id="x").group_id == "tolk-workers"
     with pytest.raises(ValueError, match="TOLK_MAX_IN_FLIGHT"):
         Settings.from_env({"TOLK_MAX_IN_FLIGHT": "many"})
+    with pytest.raises(ValueError, match="burst_tokens"):
+        Settings.from_env({"TOLK_BURST_TOKENS": "-1"})
     with pytest.raises(AttributeError):
         s.bootstrap = "x"  # type: ignore[misc]
 

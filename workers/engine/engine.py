@@ -42,6 +42,7 @@ from workers.engine.scheduler import (
     SequenceState,
 )
 from workers.engine.swaps import convert_for_runtime, pack_linears
+from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -136,6 +137,7 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: object) -> Engine:
@@ -215,9 +217,15 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------
     def start(self) -> None:
+        """Run the step loop on its own thread (`tolk-engine`), with the caller's torch thread
+        count; the caller's OpenMP pool is released first (see `workers.engine.threads`)."""
         if self._thread is None:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="tolk-engine", daemon=True)
+            n_threads = torch.get_num_threads()
+            release_openmp_pool()
+            self._thread = threading.Thread(
+                target=self._loop, args=(n_threads,), name="tolk-engine", daemon=True
+            )
             self._thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -231,7 +239,8 @@ class Engine:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def _loop(self) -> None:
+    def _loop(self, n_threads: int) -> None:
+        use_threads(n_threads)
         while not self._stop.is_set():
             if not self._drain_inbox() and not self.scheduler.has_work():
                 self._wake.wait(0.05)
@@ -267,8 +276,12 @@ class Engine:
             self.step()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run `requests` to completion on the calling thread (not with the loop running)."""
         handles = [self.submit(r) for r in requests]
-        self.run_until_done()
+        try:
+            self.run_until_done()
+        finally:
+            release_openmp_pool()  # the engine thread may take over next (see threads.py)
         return [h.result(0) for h in handles]
 
     def warm(self, languages: Sequence[str]) -> None:

@@ -65,7 +65,7 @@ from workers.engine.types import (
     Timings,
 )
 from workers.fairness.latency_model import DeadlineAdmission, LatencyModel, LatencyPrior, Verdict
-from workers.fairness.policy import LanguagePolicy
+from workers.fairness.policy import DEFAULT_BURST_TOKENS, LanguagePolicy
 from workers.fairness.vtc import FCFSQueue, VTCQueue
 
 if TYPE_CHECKING:
@@ -469,16 +469,20 @@ def build_fair_engine(
     admission: bool = True,
     latency_model: LatencyModel | None = None,
     precheck: bool = True,
+    burst_tokens: float = DEFAULT_BURST_TOKENS,
 ) -> FairEngine:
     """An Engine wired with `VTCQueue.from_policies` (fair) or `FCFSQueue` and `EngineAdmission`.
 
     `loaded_or_config`: a LoadedModel (then `config` is the EngineConfig, default one) or an
-    EngineConfig (the model is loaded by `Engine.from_config`).
+    EngineConfig (the model is loaded by `Engine.from_config`). `burst_tokens`: the VTC queue's
+    burst credit for a language returning from idle (0 = the paper's lift).
     """
     from workers.engine.engine import Engine, EngineConfig
 
     queue: VTCQueue | FCFSQueue = (
-        VTCQueue.from_policies(policies) if fair else FCFSQueue.from_policies(policies)
+        VTCQueue.from_policies(policies, burst_tokens=burst_tokens)
+        if fair
+        else FCFSQueue.from_policies(policies)
     )
     hook = EngineAdmission(latency_model, queue=queue) if admission else None
     if isinstance(loaded_or_config, EngineConfig):

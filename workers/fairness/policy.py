@@ -12,7 +12,9 @@ roughly with 1 / weight. A language that must answer within 2 s therefore needs 
 than one that may take 6 s at the same offered load; giving the tight-SLO languages the higher
 weights is what lets every language meet its own target with one shared model. A language that
 is *not* backlogged is not limited by its weight at all: VTC serves a light language's requests
-right away whatever its weight, which is why Italian keeps its SLO while German floods in.
+right away whatever its weight (up to `DEFAULT_BURST_TOKENS` of service ahead of the others when
+a few arrive at once, then at its weighted rate), which is why Italian keeps its SLO while German
+floods in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "DEFAULT_BURST_TOKENS",
     "DEFAULT_MAX_NEW_TOKENS",
     "DEFAULT_MAX_QUEUE",
     "DEFAULT_POLICIES",
@@ -32,6 +35,10 @@ __all__ = [
 ]
 
 DEFAULT_MAX_QUEUE = 256  # intake high water per language when a spec leaves it out
+# Weighted tokens of service a language returning from idle may take ahead of the backlogged
+# ones (VTCQueue's burst credit): about four short chat-turn translations (prompt ~25 uncached
+# tokens + 2 x ~16 output), so a light language's small burst is not spread over VTC rounds.
+DEFAULT_BURST_TOKENS = 256
 DEFAULT_MAX_NEW_TOKENS = 256  # output cap per request when a spec leaves it out
 
 _LANG_RE = re.compile(r"^[a-z]{2,3}([_-][a-z0-9]{2,8})*$")

@@ -100,6 +100,7 @@ class SimConfig:
     window_s: float = 30.0  # SLO attainment window (by arrival time)
     drop_expired: bool = False  # drop requests whose deadline passed before admission
     backlog_fraction: float = 0.9  # share of measured time waiting to count as backlogged
+    burst_tokens: float = 0.0  # VTC burst credit (see VTCQueue); the worker's default is 256
 
 
 @dataclass(slots=True)
@@ -152,9 +153,11 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def make_queue(kind: str, weights: Mapping[str, float]) -> VTCQueue | FCFSQueue:
+def make_queue(
+    kind: str, weights: Mapping[str, float], burst_tokens: float = 0.0
+) -> VTCQueue | FCFSQueue:
     if kind == "vtc":
-        return VTCQueue(weights)
+        return VTCQueue(weights, burst_tokens=burst_tokens)
     if kind == "fcfs":
         return FCFSQueue(weights)
     raise ValueError(f"unknown queue kind {kind!r} (expected 'vtc' or 'fcfs')")
@@ -218,7 +221,9 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
     langs = sorted(config.languages)
     kind = config.queue if queue is None else type(queue).__name__
     if queue is None:
-        queue = make_queue(config.queue, {g: config.languages[g].weight for g in langs})
+        queue = make_queue(
+            config.queue, {g: config.languages[g].weight for g in langs}, config.burst_tokens
+        )
     arrivals = _arrivals(config)
     end = config.duration_s + config.drain_s
     cost = config.cost
@@ -450,6 +455,7 @@ def issue_scenario(
     max_batch: int = 32,
     prompt_tokens: tuple[int, int] = (60, 100),
     output_tokens: tuple[int, int] = (20, 40),
+    burst_tokens: float = 0.0,
 ) -> SimConfig:
     """The issue's scenario: weights de 4, fr 3, es 2, it 1; de, fr and es together offer
     `overload` x the engine's capacity (equal rates), Italian is light (`light_fraction` of
@@ -480,4 +486,5 @@ def issue_scenario(
         max_batch=max_batch,
         cost=cost,
         seed=seed,
+        burst_tokens=burst_tokens,
     )
