@@ -21,8 +21,14 @@ Two paths:
   over the whole batch. For the sliding group only the blocks that can hold in-window positions
   are gathered. On the CPU the gather (a copy) dominates: ~6 of ~9 ms for B=32, 300-token
   contexts, SmolLM2 shapes; a device kernel reads the blocks in place instead.
-- prefill / mixed batches: a loop over sequences with `F.scaled_dot_product_attention` and an
-  explicit boolean mask (a manual softmax path when logits are soft-capped).
+- prefill / mixed batches: the one-token rows (sequences decoding beside a newcomer's prefill
+  chunk, the steady state of continuous batching) go through the batched decode path above; the
+  multi-token chunks loop over sequences with `F.scaled_dot_product_attention` and an explicit
+  boolean mask (a manual softmax path when logits are soft-capped). A sequence's decode step
+  thus runs the same kernel whether or not another sequence is prefilling.
+
+Everything derived from the metadata alone (the decode path's block ids and mask, the mixed
+split) is built by the first layer that needs it and memoized on the step's metadata.
 
 Softmax runs in float32 as Hugging Face's eager attention does. This module is a leaf: it imports
 torch only. Faster versions (Triton, CUDA) keep these signatures and are chosen by
@@ -32,7 +38,7 @@ torch only. Faster versions (Triton, CUDA) keep these signatures and are chosen 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,20 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_seq_len: int
     decode_only: bool  # every query_len == 1 (fast batched path)
+    # Per-step memo of the decode path's gather plan (block ids and mask) per window: every
+    # layer of the group sees the same batch, so only the first one builds it (~10 small ops
+    # per layer saved). Keyed by the sliding window (None = full attention).
+    _decode_plans: dict[int | None, tuple[Tensor, Tensor, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _split: _MixedSplit | None = field(default=None, init=False, repr=False, compare=False)
+
+    def mixed_split(self) -> _MixedSplit:
+        """A mixed batch split into its one-token rows (run batched, as a decode-only batch)
+        and its multi-token prefill chunks (run one by one); memoized for the step."""
+        if self._split is None:
+            self._split = _MixedSplit.of(self)
+        return self._split
 
     @classmethod
     def build(
@@ -88,6 +108,45 @@ class AttentionMetadata:
         )
 
 
+@dataclass
+class _MixedSplit:
+    decode: AttentionMetadata | None  # the one-token rows as a decode-only batch
+    decode_tokens: Tensor | None  # [Bd] their positions in the flat batch
+    prefill: list[tuple[int, int, int, int]]  # (row, first flat token, query_len, seq_len)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> _MixedSplit:
+        rows: list[int] = []
+        tokens: list[int] = []
+        prefill: list[tuple[int, int, int, int]] = []
+        start = 0
+        for b, (q_len, s_len) in enumerate(
+            zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+        ):
+            if q_len == 1:
+                rows.append(b)
+                tokens.append(start)
+            elif q_len > 1:
+                prefill.append((b, start, q_len, s_len))
+            start += q_len
+        if not rows:
+            return cls(None, None, prefill)
+        device = meta.block_tables.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        lens = [meta.seq_lens_list[b] for b in rows]
+        decode = AttentionMetadata(
+            query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device),
+            seq_lens=meta.seq_lens.index_select(0, index),
+            block_tables=meta.block_tables.index_select(0, index),
+            slot_mapping=meta.slot_mapping[:0],
+            query_lens_list=[1] * len(rows),
+            seq_lens_list=lens,
+            max_seq_len=max(lens),
+            decode_only=True,
+        )
+        return cls(decode, torch.tensor(tokens, dtype=torch.long, device=device), prefill)
+
+
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Scatter the new tokens' K/V into the paged cache (in place)."""
     # k, v: [T, KVH, D]; caches: [NB, BS, KVH, D] viewed as [NB * BS, KVH, D]
@@ -123,28 +182,12 @@ def _decode_attention(
     b, h, d = q.shape  # one query per sequence: T == B
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     groups = h // kvh
-    tables = meta.block_tables
-    max_blocks = tables.shape[1]
-    seq_lens = meta.seq_lens.to(torch.long)  # [B]
-    own = seq_lens - 1  # [B] position of the query token
-
-    n_blocks = min(-(-meta.max_seq_len // block_size), max_blocks)
-    if window is None:
-        first = torch.zeros_like(seq_lens)
-    else:
-        # the window spans `window` positions: at most (window - 1) // bs + 2 blocks
-        n_blocks = min(n_blocks, (window - 1) // block_size + 2)
-        first = (own - window + 1).clamp(min=0) // block_size  # [B] first block in the window
-    idx = first[:, None] + torch.arange(n_blocks, device=q.device)  # [B, n]
-    blocks = tables.gather(1, idx.clamp(max=max_blocks - 1).to(tables.dtype)).long()  # [B, n]
+    plan = meta._decode_plans.get(window)
+    if plan is None:
+        plan = meta._decode_plans[window] = _decode_plan(meta, block_size, window)
+    blocks, valid, n_blocks = plan  # [B, n] block ids, [B, L] mask, n
     k = k_cache[blocks].view(b, n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
     v = v_cache[blocks].view(b, n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
-
-    offsets = torch.arange(block_size, device=q.device)
-    pos = (idx[:, :, None] * block_size + offsets).view(b, -1)  # [B, L] absolute positions
-    valid = pos <= own[:, None]  # [B, L]
-    if window is not None:
-        valid &= pos > own[:, None] - window
 
     if softcap is None:  # fused CPU/GPU kernel, mask broadcast over heads
         out = F.scaled_dot_product_attention(
@@ -165,6 +208,35 @@ def _decode_attention(
     return out.reshape(b, h, d)
 
 
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, window: int | None
+) -> tuple[Tensor, Tensor, int]:
+    """Which blocks each sequence's query reads and which of their positions it may see."""
+    tables = meta.block_tables
+    device = tables.device
+    max_blocks = tables.shape[1]
+    b = tables.shape[0]
+    seq_lens = meta.seq_lens.to(torch.long)  # [B]
+    own = seq_lens - 1  # [B] position of the query token
+
+    n_blocks = min(-(-meta.max_seq_len // block_size), max_blocks)
+    if window is None:
+        first = torch.zeros_like(seq_lens)
+    else:
+        # the window spans `window` positions: at most (window - 1) // bs + 2 blocks
+        n_blocks = min(n_blocks, (window - 1) // block_size + 2)
+        first = (own - window + 1).clamp(min=0) // block_size  # [B] first block in the window
+    idx = first[:, None] + torch.arange(n_blocks, device=device)  # [B, n]
+    blocks = tables.gather(1, idx.clamp(max=max_blocks - 1).to(tables.dtype)).long()  # [B, n]
+
+    offsets = torch.arange(block_size, device=device)
+    pos = (idx[:, :, None] * block_size + offsets).view(b, -1)  # [B, L] absolute positions
+    valid = pos <= own[:, None]  # [B, L]
+    if window is not None:
+        valid &= pos > own[:, None] - window
+    return blocks, valid, n_blocks
+
+
 def _varlen_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -177,10 +249,20 @@ def _varlen_attention(
     _, h, d = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    start = 0
-    for b, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
-        if q_len == 0:
-            continue
+    split = meta.mixed_split()
+    if split.decode is not None and split.decode_tokens is not None:
+        # one-token rows (decoding sequences beside a newcomer's prefill chunk): one batched
+        # call, the same kernel as in decode-only steps
+        out[split.decode_tokens] = _decode_attention(
+            q.index_select(0, split.decode_tokens),
+            k_cache,
+            v_cache,
+            split.decode,
+            scale,
+            window,
+            softcap,
+        )
+    for b, start, q_len, s_len in split.prefill:
         first_pos = 0 if window is None else max(0, s_len - q_len - window + 1)
         first_block, end_block = first_pos // block_size, -(-s_len // block_size)
         blocks = meta.block_tables[b, first_block:end_block].long()  # [n]
@@ -195,7 +277,6 @@ def _varlen_attention(
         out[start : start + q_len] = _dense_attention(
             qs, k.transpose(0, 1), v.transpose(0, 1), valid, scale, softcap
         ).transpose(0, 1)
-        start += q_len
     return out
 
 

@@ -108,13 +108,36 @@ def test_paged_attention_matches_dense(heads, block_size, window, batch, dtype):
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_decode_path_equals_varlen_path(window, softcap):
-    seqs = BATCHES["decode"]
+def test_one_token_rows_of_a_mixed_batch_run_as_a_decode_batch(window, softcap):
+    # A decoding sequence must get the same bits whether or not another sequence prefills in
+    # the same step: its row of a mixed batch equals the decode-only batch of those rows.
+    seqs = BATCHES["mixed"]
     q, k_cache, v_cache, meta, *_ = make_case(seqs, (8, 2, 32), 4, window, torch.float32)
-    fast = paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
-    slow_meta = dataclasses.replace(meta, decode_only=False)
-    slow = paged_attention(q, k_cache, v_cache, slow_meta, 0.3, window, softcap)
-    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    mixed = paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
+    starts = meta.query_start_loc.tolist()
+    rows = [b for b, (q_len, _) in enumerate(seqs) if q_len == 1]
+    assert len(rows) == 2
+    tokens = torch.tensor([starts[b] for b in rows])
+    decode_meta = dataclasses.replace(
+        meta,
+        query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
+        seq_lens=meta.seq_lens[rows],
+        block_tables=meta.block_tables[rows],
+        slot_mapping=meta.slot_mapping[:0],
+        query_lens_list=[1] * len(rows),
+        seq_lens_list=[seqs[b][1] for b in rows],
+        max_seq_len=max(seqs[b][1] for b in rows),
+        decode_only=True,
+    )
+    alone = paged_attention(q[tokens], k_cache, v_cache, decode_meta, 0.3, window, softcap)
+    assert torch.equal(mixed[tokens], alone)
+    # and the memoized plan is reused, not rebuilt, by the next layer of the same step
+    split = meta.mixed_split()
+    assert meta.mixed_split() is split and split.decode is not None
+    plans = dict(split.decode._decode_plans)
+    paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
+    assert len(plans) == 1
+    assert all(split.decode._decode_plans[w] is plan for w, plan in plans.items())
 
 
 def test_softcap_matches_dense():
