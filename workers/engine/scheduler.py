@@ -155,8 +155,9 @@ class Scheduler:
                 waiting = self._next_waiting(now, finished)
                 if waiting is None:
                     break
-                seq = waiting
-                cached = self.kv.find_cached_prefix(seq.token_ids)
+                seq, cached = waiting
+                if cached is None:  # a resumed sequence: its cached prefix may have changed
+                    cached = self.kv.find_cached_prefix(seq.token_ids)
                 n = min(len(seq.token_ids) - cached, budget)
                 if not self.kv.allocate_slots(seq.request_id, seq.token_ids, cached, n):
                     self._unpop(seq)
@@ -207,23 +208,28 @@ class Scheduler:
         return finished
 
     # -- helpers --------------------------------------------------------------------------
-    def _next_waiting(self, now: float, finished: list[SequenceState]) -> SequenceState | None:
+    def _next_waiting(
+        self, now: float, finished: list[SequenceState]
+    ) -> tuple[SequenceState, int | None] | None:
+        """The next sequence to start, with its cached prefix length when already looked up
+        (a fresh request: the admission hook needed it) or None (a resumed one)."""
         while True:
             if self.preempted:
-                return self.preempted.popleft()
+                return self.preempted.popleft(), None
             request = self.queue.peek()
             if request is None:
                 return None
             self.queue.pop()
             seq = SequenceState(request, list(request.prompt_ids), len(request.prompt_ids))
-            verdict = self._admit(request, now)
+            cached = self.kv.find_cached_prefix(seq.token_ids)
+            verdict = self._admit(request, now, cached)
             if verdict.admit:
-                return seq
+                return seq, cached
             seq.finish_reason = verdict.finish_reason
             seq.error = verdict.reason
             finished.append(seq)
 
-    def _admit(self, request: GenerationRequest, now: float) -> AdmissionDecision:
+    def _admit(self, request: GenerationRequest, now: float, cached: int) -> AdmissionDecision:
         if request.deadline is not None and now >= request.deadline:
             late_ms = (now - request.deadline) * 1e3
             return AdmissionDecision(
@@ -237,7 +243,6 @@ class Scheduler:
                 f"{self.config.max_model_len}",
             )
         if self.admission is not None:
-            cached = self.kv.find_cached_prefix(request.prompt_ids)
             return self.admission(request, now, len(self.running), cached)
         return AdmissionDecision(True)
 
