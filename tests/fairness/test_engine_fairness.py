@@ -67,13 +67,15 @@ def test_admission_follows_weights_and_cached_prefix_is_free(smollm2: Any) -> No
     norm = queue.service_by_group(normalized=True)
     print("admitted", counts, "normalized service", norm)
     assert sum(counts.values()) >= 18
-    # weighted service split 3:2:1: weight-normalized service equal up to about one request's
-    # cost at the smallest weight. VTC charges a prefill at once and the decode of requests
-    # already running keeps adding, so a counter may run up to ~1.5 requests ahead; with this
-    # few requests that is the tolerance (bench/fairness.py checks +-5% over long runs).
+    # weighted service split 3:2:1: weight-normalized service equal up to VTC's bound, twice
+    # the largest request's cost at the smallest weight (Sheng et al.: a prefill is charged at
+    # admission and running requests keep adding decode charges, so a counter may run ahead by
+    # up to two requests). The uncached part of a prompt differs per language (the partial last
+    # block of each language's prefix is recomputed), so requests do not cost exactly the same.
+    # With this few requests that is the tolerance (bench/fairness.py checks +-5% over long runs).
     one_request = max(norm[g] * WEIGHTS[g] / counts[g] for g in WEIGHTS)  # raw cost / request
     spread = max(norm[g] for g in WEIGHTS) - min(norm[g] for g in WEIGHTS)
-    assert spread <= 1.5 * one_request / min(WEIGHTS.values()), (norm, one_request)
+    assert spread <= 2.0 * one_request / min(WEIGHTS.values()), (norm, one_request)
     # and the admission order interleaves by weight: German (3) about 3x Italian (1)
     assert 2.0 <= counts["de"] / counts["it"] <= 4.5, counts
     assert 1.2 <= counts["fr"] / counts["it"] <= 3.0, counts
