@@ -175,7 +175,7 @@ def measure_capacity(
     """Requests per second the engine finishes when saturated, measured: 6 x max_batch requests
     of the benchmark's own mix (random texts, the four languages, real stop rules) submitted at
     once and run to completion. The simulator's analytic estimate assumes every request runs to
-    0.75 x max_new_tokens and no per-request overhead, and overestimated capacity ~2x on CPU."""
+    0.75 x max_new_tokens and no per-request overhead; it came out 1.2-1.3x too high on CPU."""
     rng = random.Random(seed)
     langs = list(WEIGHTS)
     reqs = [
@@ -597,8 +597,9 @@ def _phases(
         rows["queue"].append(t["queue_ms"])
         rows["prefill"].append(t["prefill_ms"])
         rows["decode"].append(t["decode_ms"])
-        rows["reply_leg"].append(recv_ms - r["completed_at"])
-        rows["to_worker"].append(e2e - t["total_ms"] - (recv_ms - r["completed_at"]))
+        reply_leg = recv_ms - r["completed_at"]
+        rows["reply_leg"].append(reply_leg)
+        rows["to_worker"].append(e2e - t["total_ms"] - reply_leg)
     return {
         k: {"p50": _pct(v, 50), "p99": _pct(v, 99), "max": max(v)} for k, v in rows.items() if v
     }

@@ -110,8 +110,8 @@ class AttentionMetadata:
 
 @dataclass
 class _MixedSplit:
-    decode: AttentionMetadata | None  # the one-token rows as a decode-only batch
-    decode_tokens: Tensor | None  # [Bd] their positions in the flat batch
+    # the one-token rows as a decode-only batch, and their positions [Bd] in the flat batch
+    decode: tuple[AttentionMetadata, Tensor] | None
     prefill: list[tuple[int, int, int, int]]  # (row, first flat token, query_len, seq_len)
 
     @classmethod
@@ -130,7 +130,7 @@ class _MixedSplit:
                 prefill.append((b, start, q_len, s_len))
             start += q_len
         if not rows:
-            return cls(None, None, prefill)
+            return cls(None, prefill)
         device = meta.block_tables.device
         index = torch.tensor(rows, dtype=torch.long, device=device)
         lens = [meta.seq_lens_list[b] for b in rows]
@@ -144,7 +144,7 @@ class _MixedSplit:
             max_seq_len=max(lens),
             decode_only=True,
         )
-        return cls(decode, torch.tensor(tokens, dtype=torch.long, device=device), prefill)
+        return cls((decode, torch.tensor(tokens, dtype=torch.long, device=device)), prefill)
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -250,17 +250,12 @@ def _varlen_attention(
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     split = meta.mixed_split()
-    if split.decode is not None and split.decode_tokens is not None:
+    if split.decode is not None:
         # one-token rows (decoding sequences beside a newcomer's prefill chunk): one batched
         # call, the same kernel as in decode-only steps
-        out[split.decode_tokens] = _decode_attention(
-            q.index_select(0, split.decode_tokens),
-            k_cache,
-            v_cache,
-            split.decode,
-            scale,
-            window,
-            softcap,
+        decode_meta, tokens = split.decode
+        out[tokens] = _decode_attention(
+            q.index_select(0, tokens), k_cache, v_cache, decode_meta, scale, window, softcap
         )
     for b, start, q_len, s_len in split.prefill:
         first_pos = 0 if window is None else max(0, s_len - q_len - window + 1)

@@ -306,7 +306,7 @@ class Worker:
                 offset=msg.offset(),
                 key=msg.key(),
                 value=msg.value() or b"",
-                lang=self.topic_lang.get(tp[0], "unknown"),
+                lang=lang,
                 broker_ts_ms=ts if ts_type and ts > 0 else self._now_ms(),
             )
             try:

@@ -134,10 +134,11 @@ def test_one_token_rows_of_a_mixed_batch_run_as_a_decode_batch(window, softcap):
     # and the memoized plan is reused, not rebuilt, by the next layer of the same step
     split = meta.mixed_split()
     assert meta.mixed_split() is split and split.decode is not None
-    plans = dict(split.decode._decode_plans)
+    decode_part = split.decode[0]
+    plans = dict(decode_part._decode_plans)
     paged_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
     assert len(plans) == 1
-    assert all(split.decode._decode_plans[w] is plan for w, plan in plans.items())
+    assert all(decode_part._decode_plans[w] is plan for w, plan in plans.items())
 
 
 def test_softcap_matches_dense():
