@@ -179,11 +179,13 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         quantize=args.quantize,
         enable_prefix_caching=args.prefix_cache,
         max_num_seqs=max(args.batches),
         max_new_tokens=new,
         **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
+        **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}),
     )
     t0 = time.perf_counter()
     try:
@@ -303,9 +305,15 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
     t0 = time.perf_counter()
     model, tokenizer = load_reference_hf_model(args.model)
     dtype = getattr(torch, args.dtype or "float32")
-    model = model.to(dtype)
+    device = torch.device(args.device)
+    model = model.to(device=device, dtype=dtype)
     load_s = time.perf_counter() - t0
     pad_id = tokenizer.pad_token_id
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
 
@@ -317,6 +325,7 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             if self.first is None:
+                sync()  # the first logits are computed, not just launched
                 self.first = time.perf_counter()
             return scores
 
@@ -329,6 +338,7 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         for i, x in enumerate(ids):
             input_ids[i, width - len(x) :] = torch.tensor(x)
             mask[i, width - len(x) :] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
         prompt_tokens = sum(len(x) for x in ids)
 
         def once(
@@ -349,6 +359,7 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
                 pad_token_id=pad_id,
                 logits_processor=LogitsProcessorList([clock]),
             )
+            sync()
             total = time.perf_counter() - start
             generated = out.shape[1] - input_ids.shape[1]
             if generated != new or clock.first is None:
@@ -529,6 +540,9 @@ def worker_main(args: argparse.Namespace) -> None:
         r["peak_rss_mb"] = result["peak_rss_mb"]  # per system x model process, all batches
     torch = sys.modules.get("torch")  # imported by the tolk / hf workers only
     result["torch_threads"] = torch.get_num_threads() if torch is not None else None
+    if torch is not None and torch.cuda.is_available() and args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name()
+        result["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     emit_worker_result(result)
 
 
@@ -600,6 +614,7 @@ def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file:
         "--ttft-trials", str(args.ttft_trials),
         "--llamacpp-n-batch", str(args.llamacpp_n_batch),
         "--prompts-file", prompts_file,
+        "--device", args.device,
     ]  # fmt: skip
     if args.dtype:
         cmd += ["--dtype", args.dtype]
@@ -609,6 +624,8 @@ def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file:
         cmd.append("--prefix-cache")
     if args.kv_cache_tokens:
         cmd += ["--kv-cache-tokens", str(args.kv_cache_tokens)]
+    if args.max_batched_tokens:
+        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if args.llamacpp_kv_unified:
         cmd.append("--llamacpp-kv-unified")
     return cmd
@@ -627,12 +644,14 @@ def parent_main(args: argparse.Namespace) -> JSON:
             "repeats": args.repeats,
             "systems": args.systems,
             "dtype": args.dtype,
+            "device": args.device,
             "quantize": args.quantize,
             "new_tokens": args.new_tokens,
             "threads": args.threads,
             "prefix_cache_in_throughput": args.prefix_cache,
             "ttft_trials": args.ttft_trials,
             "kv_cache_tokens": args.kv_cache_tokens,
+            "max_batched_tokens": args.max_batched_tokens,
             "prompt": f"engine translation prompt {SOURCE_LANG}->{TARGET_LANG}, "
             "distinct Tatoeba sentences per sequence, EOS ignored, greedy",
         },
@@ -705,6 +724,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     p.add_argument("--systems", type=parse_csv, default=list(SYSTEMS))
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (tolk and transformers)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="tolk only")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -712,6 +732,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-cache", action="store_true", help="tolk throughput with the cache")
     p.add_argument(
         "--kv-cache-tokens", type=int, default=None, help="tolk KV pool size (default: engine's)"
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tolk per-step token budget (default: engine's)",
     )
     p.add_argument("--llamacpp-n-batch", type=int, default=512, help="prefill tokens per decode")
     p.add_argument("--llamacpp-kv-unified", action="store_true")
