@@ -23,10 +23,15 @@ Each system x model runs in its own subprocess (`--worker`) so its peak RSS is i
 thread pool or allocator state leaks between systems. Threads: `--threads` (2) for torch and for
 llama.cpp (n_threads and n_threads_batch).
 
-Prefix cache: tolk's throughput rows run with the prefix cache OFF by default, so every system
-computes every prompt token (`--prefix-cache` turns it on; the language is then warmed before
-the warm-up run and `cached_tokens` says how many prompt tokens were served from the cache). Its
-effect is measured separately: TTFT of one request whose language prefix is warm
+Prefix cache: system `tolk` runs with the prefix cache OFF, so it computes every prompt token
+as the other systems do (`--prefix-cache` turns it on for it too). System `tolk-prefix` is the
+engine as it serves: the language's prompt prefix warmed (`engine.warm`), each request
+prefilling only its own tokens, and the decode steps of the sequences that share that prefix
+reading its K/V once per step (cascade attention, `kernels/attention.py`). Its decode tokens/s
+still count attention over the whole context of every sequence; its prefill and TTFT figures
+are not comparable with the other systems' (they exclude the cached prefix); `cached_tokens`
+says how many prompt tokens came from the cache. The prefix cache's TTFT effect is measured
+separately (in the `tolk` worker): TTFT of one request whose language prefix is warm
 (`engine.warm([lang])`) vs cold (prefix cache disabled), median of `--ttft-trials`.
 
 Caveats: tolk batches continuously with chunked prefill (`max_num_batched_tokens` per step), so
@@ -62,7 +67,8 @@ from bench._common import (
 
 log = logging.getLogger("bench.engine")
 
-SYSTEMS = ("tolk", "hf", "llamacpp")
+SYSTEMS = ("tolk", "tolk-prefix", "hf", "llamacpp")
+TOLK_SYSTEMS = ("tolk", "tolk-prefix")  # the second: prefix cache on, language warm
 SOURCE_LANG, TARGET_LANG = "en", "de"
 TTFT_SENTENCE_OFFSET = 500  # TTFT trials use sentences no throughput prompt uses
 METRICS = ("ttft_s", "total_s", "prefill_tok_s", "decode_tok_s", "aggregate_tok_s")
@@ -176,12 +182,13 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
     torch.set_num_threads(args.threads)
     new = args.new_tokens
+    prefix_cache = args.prefix_cache or args.worker == "tolk-prefix"
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         quantize=args.quantize,
-        enable_prefix_caching=args.prefix_cache,
+        enable_prefix_caching=prefix_cache,
         max_num_seqs=max(args.batches),
         max_new_tokens=new,
         **({"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}),
@@ -200,7 +207,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
     dtype = args.dtype or "float32"
     if args.quantize:  # e.g. int8 weights with bfloat16 activations: "int8-w/bfloat16"
         dtype = f"{args.quantize}-w/{'+'.join(param_dtypes)}"
-    if args.prefix_cache:
+    if prefix_cache:
         engine.warm([TARGET_LANG])
 
     def requests(texts: Sequence[str], max_new: int) -> list[Any]:
@@ -236,14 +243,15 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
             out["seq0_tokens"] = results[0].token_ids[:16]
             return out
 
-        rows.append(row("tolk", args.model, dtype, batch, expected) | measure(once, args.repeats))
+        measured = measure(once, args.repeats)
+        rows.append(row(args.worker, args.model, dtype, batch, expected) | measured)
         log.info("tolk %s B=%d done", args.model, batch)
 
     # TTFT of one request: language prefix warm (prefix cache on, warmed) vs cold (cache off).
     prefix_ttft: JSON = {}
-    if args.ttft_trials > 1:
+    if args.ttft_trials > 1 and args.worker == "tolk":
         loaded = engine.loaded
-        if args.prefix_cache:  # an engine owns the model's KV buffers: one live engine at a time
+        if prefix_cache:  # an engine owns the model's KV buffers: one live engine at a time
             engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=False))
         cold = single_request_ttft(engine, prompts["ttft_texts"])
         engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=True))
@@ -519,6 +527,7 @@ def _flash_attn_setting(cparams: Any) -> Any:
 
 WORKERS: dict[str, Callable[[argparse.Namespace, JSON], JSON]] = {
     "tolk": tolk_worker,
+    "tolk-prefix": tolk_worker,
     "hf": hf_worker,
     "llamacpp": llamacpp_worker,
 }
@@ -567,9 +576,9 @@ def ratios(rows: list[JSON]) -> list[JSON]:
         return r[k]["median"] if r is not None else None
 
     for (system, model, batch), tolk in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
-        if system != "tolk":
+        if system not in TOLK_SYSTEMS:
             continue
-        entry: JSON = {"model": model, "batch": batch, "dtype": tolk["dtype"]}
+        entry: JSON = {"system": system, "model": model, "batch": batch, "dtype": tolk["dtype"]}
         for other in ("hf", "llamacpp"):
             ref = by_key.get((other, model, batch))
             if ref is None:

@@ -123,6 +123,7 @@ def test_one_token_rows_of_a_mixed_batch_run_as_a_decode_batch(window, softcap):
         query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32),
         seq_lens=meta.seq_lens[rows],
         block_tables=meta.block_tables[rows],
+        block_tables_list=[meta.block_tables_list[b] for b in rows],
         slot_mapping=meta.slot_mapping[:0],
         query_lens_list=[1] * len(rows),
         seq_lens_list=[seqs[b][1] for b in rows],
@@ -177,3 +178,85 @@ def test_registry_returns_cpu_reference():
     assert get_op("write_kv", torch.device("cpu")) is write_kv
     with pytest.raises(KeyError):
         get_op("no_such_op", "cpu")
+
+
+def make_shared_prefix_case(prefixes, rows, heads, block_size, dtype, seed=1, scatter=False):
+    """Decode rows whose block tables start with shared prefix blocks (as the prefix cache
+    hands them out). prefixes: {name: number of blocks}; rows: [(prefix name or None, seq_len)];
+    `scatter` gives each prefix non-consecutive block ids (descending).
+    Returns q, caches, meta, and each row's dense K/V."""
+    h, kvh, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + sum(prefixes.values()) + sum(math.ceil(s / block_size) for _, s in rows)
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype) * 3
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(dtype) * 3
+    next_id = 1
+    shared = {}
+    for name, n in prefixes.items():  # the prefix blocks hold whatever the pool holds
+        shared[name] = list(range(next_id, next_id + n))[:: -1 if scatter else 1]
+        next_id += n
+    tables, ks, vs = [], [], []
+    for name, s_len in rows:
+        table = list(shared[name]) if name else []
+        while len(table) * block_size < s_len:
+            table.append(next_id)
+            next_id += 1
+        ids = torch.tensor(table)
+        ks.append(k_cache[ids].reshape(-1, kvh, d)[:s_len])
+        vs.append(v_cache[ids].reshape(-1, kvh, d)[:s_len])
+        tables.append(table)
+    meta = AttentionMetadata.build([1] * len(rows), [s for _, s in rows], tables, block_size)
+    q = torch.randn(len(rows), h, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, meta, ks, vs
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["consecutive", "scattered"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 20])
+def test_shared_prefixes_are_attended_once_and_match_dense(dtype, window, scatter, monkeypatch):
+    from kernels import attention
+
+    block_size, heads = 4, (9, 3, 16)
+    rows = [("de", 14), ("fr", 10), ("de", 13), ("de", 30), ("fr", 9), ("de", 16),
+            (None, 7), ("fr", 12), ("fr", 11), ("de", 17), ("fr", 21)]  # fmt: skip
+    q, k_cache, v_cache, meta, ks, vs = make_shared_prefix_case(
+        {"de": 3, "fr": 2}, rows, heads, block_size, dtype, scatter=scatter
+    )
+    out = paged_attention(q, k_cache, v_cache, meta, 0.25, window)
+
+    plan = meta._decode_plans[window]
+    groups = sorted((g.rows.tolist(), g.blocks.tolist(), g.first_block) for g in plan.shared)
+    de, fr = ([3, 2, 1], [5, 4]) if scatter else ([1, 2, 3], [4, 5])
+    de_first, fr_first = (None, None) if scatter else (1, 4)  # consecutive ids: a pool slice
+    if window is None:
+        assert groups == [([0, 2, 3, 5, 9], de, de_first), ([1, 4, 7, 8, 10], fr, fr_first)]
+    else:  # rows 3 (30 tokens) and 10 (21) see only part of the prefix: they go the plain way
+        assert groups == [([0, 2, 5, 9], de, de_first), ([1, 4, 7, 8], fr, fr_first)]
+    expected = torch.cat(
+        [dense_reference(q[i : i + 1], ks[i], vs[i], 0.25, window) for i in range(len(rows))]
+    )
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROWS", 10**9)  # the plain, gather-all path
+    meta._decode_plans.clear()
+    plain = paged_attention(q, k_cache, v_cache, meta, 0.25, window)
+    assert not meta._decode_plans[window].shared
+    torch.testing.assert_close(out, plain, atol=atol, rtol=rtol)
+
+
+def test_no_cascade_below_min_rows_or_for_a_prefix_a_row_is_still_writing():
+    from kernels.attention import CASCADE_MIN_ROWS
+
+    block_size, heads = 4, (4, 2, 8)
+    few = [("de", 10)] * (CASCADE_MIN_ROWS - 1) + [(None, 6)]
+    q, kc, vc, meta, *_ = make_shared_prefix_case({"de": 2}, few, heads, block_size, torch.float32)
+    paged_attention(q, kc, vc, meta, 0.3, None)
+    assert meta._decode_plans[None].shared == []
+    # only blocks wholly before every member's query are shared: a row of 9 tokens has its
+    # query at position 8, inside the third prefix block, so the group shares blocks 0-1
+    rows = [("de", 9)] + [("de", 20)] * CASCADE_MIN_ROWS
+    q, kc, vc, meta, *_ = make_shared_prefix_case({"de": 3}, rows, heads, block_size, torch.float32)
+    paged_attention(q, kc, vc, meta, 0.3, None)
+    (group,) = meta._decode_plans[None].shared
+    assert group.blocks.tolist() == [1, 2]
