@@ -43,6 +43,36 @@ def test_warm_language_prefills_only_its_own_tokens(engine: Engine) -> None:
     assert engine.stats.prefill_tokens - before == res.tokens_in - res.cached_tokens
 
 
+def test_requests_of_a_warm_language_decode_with_cascade_attention(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding rows that share the warm prefix attend to it once (cascade), with the tokens
+    the plain gather-everything path gives."""
+    from kernels import attention
+
+    texts = ["Where is my parcel?", "I was charged twice.", "My app keeps crashing.",
+             "Can I change the delivery address?", "The refund has not arrived yet."]  # fmt: skip
+    calls: list[int] = []
+    real = attention._cascade_attention
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(sum(s.rows.numel() for s in args[5].shared))  # rows sharing a prefix
+        return real(*args, **kwargs)
+
+    def run() -> list[list[int]]:
+        reqs = [engine.translation_request(t, "en", "de", max_new_tokens=6) for t in texts]
+        return [r.token_ids for r in engine.generate(reqs)]
+
+    engine.warm(["de"])
+    monkeypatch.setattr(attention, "_cascade_attention", counting)
+    cascaded = run()
+    assert calls and max(calls) == len(texts)
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROWS", 10**9)
+    calls.clear()
+    assert run() == cascaded
+    assert not calls
+
+
 def test_cold_request_computes_everything(smollm2: Any) -> None:
     cold = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, enable_prefix_caching=False))
     (res,) = cold.generate([cold.translation_request("Thank you!", "en", "es")])
