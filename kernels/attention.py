@@ -181,6 +181,7 @@ def paged_attention(
 
 
 CASCADE_MIN_ROWS = 4  # rows that must share a prefix before it is attended to once for all
+FUSED_CPU_LSE = True  # CPU: SDPA's fused kernel, which returns the log-sum-exp too (tests: off)
 
 
 @dataclass
@@ -306,7 +307,7 @@ def _attend_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """softmax(q k^T * scale + mask) v and its log-sum-exp. q [N, KVH, M, D], k/v [N, KVH, S, D],
     mask additive, broadcastable to [N, KVH, M, S] -> ([N, KVH, M, D], [N, KVH, M] float32)."""
-    if q.device.type == "cpu":  # the fused kernel SDPA uses, which also returns the lse
+    if q.device.type == "cpu" and FUSED_CPU_LSE:  # SDPA's own CPU kernel, lse included
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, attn_mask=mask, scale=scale
         )[:2]

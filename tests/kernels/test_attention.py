@@ -210,11 +210,16 @@ def make_shared_prefix_case(prefixes, rows, heads, block_size, dtype, seed=1, sc
     return q, k_cache, v_cache, meta, ks, vs
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-lse", "portable-lse"])
 @pytest.mark.parametrize("scatter", [False, True], ids=["consecutive", "scattered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("window", [None, 20])
-def test_shared_prefixes_are_attended_once_and_match_dense(dtype, window, scatter, monkeypatch):
+def test_shared_prefixes_are_attended_once_and_match_dense(
+    dtype, window, scatter, fused, monkeypatch
+):
     from kernels import attention
+
+    monkeypatch.setattr(attention, "FUSED_CPU_LSE", fused)  # portable: the non-CPU math
 
     block_size, heads = 4, (9, 3, 16)
     rows = [("de", 14), ("fr", 10), ("de", 13), ("de", 30), ("fr", 9), ("de", 16),
@@ -260,3 +265,26 @@ def test_no_cascade_below_min_rows_or_for_a_prefix_a_row_is_still_writing():
     paged_attention(q, kc, vc, meta, 0.3, None)
     (group,) = meta._decode_plans[None].shared
     assert group.blocks.tolist() == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("scatter", [False, True], ids=["consecutive", "scattered"])
+def test_cascade_on_cuda_matches_dense_cpu_reference(dtype, window, scatter):
+    rows = [("de", 14), ("fr", 10), ("de", 13), ("de", 30), ("fr", 9), ("de", 16),
+            (None, 7), ("fr", 12), ("fr", 11), ("de", 17), ("fr", 21)]  # fmt: skip
+    q, kc, vc, meta, ks, vs = make_shared_prefix_case(
+        {"de": 3, "fr": 2}, rows, (9, 3, 16), 4, dtype, scatter=scatter
+    )
+    on_gpu = AttentionMetadata.build(
+        meta.query_lens_list, meta.seq_lens_list, meta.block_tables_list, 4, "cuda"
+    )
+    out = paged_attention(q.cuda(), kc.cuda(), vc.cuda(), on_gpu, 0.25, window)
+    assert len(on_gpu._decode_plans[window].shared) == 2
+    expected = torch.cat(
+        [dense_reference(q[i : i + 1], ks[i], vs[i], 0.25, window) for i in range(len(rows))]
+    )
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol)
