@@ -9,6 +9,7 @@ from torch import nn
 from workers.engine.swaps import (
     MKLPackedLinear,
     WeightOnlyInt8Linear,
+    fuse_qkv,
     mkl_packing_available,
     pack_linears,
     quantize_int8,
@@ -55,3 +56,52 @@ def test_int8_linear_matches_dequantized_reference() -> None:
     x = torch.randn(4, 576)
     ref = x @ (q8.weight.float() * q8.scales.float()[:, None]).T
     torch.testing.assert_close(q8(x).float(), ref, rtol=2e-2, atol=5e-2)
+
+
+def _tiny_model(arch: str) -> nn.Module:
+    import copy
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from workers.engine.config import ModelConfig
+    from workers.engine.loader import model_from_hf_state_dict
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg: object = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=3, num_attention_heads=4,
+                                  num_key_value_heads=2)  # fmt: skip
+        hf: nn.Module = LlamaForCausalLM(cfg)  # type: ignore[arg-type]
+    else:
+        cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=16, sliding_window=8, query_pre_attn_scalar=16)  # fmt: skip
+        hf = Gemma3ForCausalLM(cfg)  # type: ignore[arg-type]
+    state = copy.deepcopy(hf.state_dict())
+    return model_from_hf_state_dict(state, ModelConfig.from_hf(cfg), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "mkl-packed"])
+def test_fused_qkv_is_bit_identical(packed: bool, greedy) -> None:
+    import copy
+
+    model = _tiny_model("llama")
+    fused = copy.deepcopy(model)
+    assert fuse_qkv(fused) == 3 and fuse_qkv(fused) == 0  # once per layer, idempotent
+    attn = fused.layers[0].attn  # type: ignore[index]
+    assert attn.q_proj is None and attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
+    if packed and mkl_packing_available():
+        pack_linears(model)
+        pack_linears(fused)
+        assert isinstance(attn.qkv_proj, MKLPackedLinear)
+    prompts = [[1, 5, 9, 13, 2, 7, 30, 31, 40], [3, 4, 250, 17]]
+    tokens, logits = greedy(model, prompts, 6, block_size=4, prefill_chunks=2)
+    fused_tokens, fused_logits = greedy(fused, prompts, 6, block_size=4, prefill_chunks=2)
+    assert fused_tokens == tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, fused_logits, strict=True))
+
+
+def test_fuse_qkv_leaves_qk_norm_attention_alone() -> None:
+    model = _tiny_model("gemma3")
+    assert fuse_qkv(model) == 0
+    assert all(layer.attn.qkv_proj is None for layer in model.layers)  # type: ignore[union-attr]

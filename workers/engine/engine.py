@@ -41,7 +41,7 @@ from workers.engine.scheduler import (
     SchedulerOutput,
     SequenceState,
 )
-from workers.engine.swaps import convert_for_runtime, pack_linears
+from workers.engine.swaps import convert_for_runtime, fuse_qkv, pack_linears
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
     FinishReason,
@@ -64,6 +64,7 @@ class EngineConfig:
     device: str = "cpu"
     quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
     pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
+    fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
     max_num_seqs: int = 32  # running batch cap
@@ -98,6 +99,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.model = loaded.model
+        if self.config.fuse_qkv:
+            fuse_qkv(self.model)  # Llama: one q/k/v projection (in place, idempotent)
         if self.config.pack_weights:
             pack_linears(self.model)  # no-op unless float32 nn.Linear on CPU
         self.tokenizer = loaded.tokenizer

@@ -111,6 +111,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
+        # set by swaps.fuse_qkv: q, k, v as one [ (H + 2 KVH) * D, d ] projection
+        self.qkv_proj: nn.Module | None = None
         eps, one_plus = config.rms_norm_eps, config.norm_one_plus
         self.q_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None  # per head
         self.k_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None
@@ -118,13 +120,20 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", None, persistent=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            # fused: one projection, and RoPE on q and k heads together (Llama)
+            qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+            qk = apply_rope(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
+            v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)  # [T, KVH, D]
+        else:
+            q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
+            k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
+            v = self.v_proj(x).view(t, kvh, hd)  # [T, KVH, D]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         assert self.k_cache is not None and self.v_cache is not None, "allocate_kv_cache() first"
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = paged_attention(

@@ -6,6 +6,9 @@
   weight: about 30% less time per projection at batch 32, and bit-identical results to
   `F.linear` (checked in tests/engine/test_swaps.py), so greedy parity is unaffected. Costs
   about 3x the linear weights' memory, so huge matrices (a 262k-vocab LM head) are left alone.
+- `fuse_qkv(model)`: attention without QK-norm (Llama) gets one q/k/v projection and RoPE over
+  q and k heads at once (~7 fewer ops per layer, bit-identical). SmolLM2 decode step: B=1
+  37.3 -> 35.4 ms, B=32 (prefix shared) 94 -> 92 ms.
 - `convert_for_runtime(model, "int8")`: every `nn.Linear` (attention and MLP projections and
   the LM head) becomes `WeightOnlyInt8Linear`: int8 weights with one float scale per output
   channel (symmetric, absmax / 127).
@@ -99,6 +102,34 @@ def pack_linears(model: nn.Module, max_numel: int = 64_000_000) -> int:
                 setattr(module, child_name, MKLPackedLinear(child))
                 swapped += 1
     return swapped
+
+
+def fuse_qkv(model: nn.Module) -> int:
+    """Give each attention without QK-norm (Llama) one fused q/k/v projection; returns how many.
+
+    One GEMM of N = (H + 2 KVH) * D instead of three, and RoPE over q and k heads at once: ~7
+    fewer ops per layer. MKL computes each output column the same way whatever N is, so the
+    outputs are bit-identical to the three projections (tests/engine/test_swaps.py). In place
+    and idempotent; run it before `pack_linears`, which then packs the fused Linear (the int8
+    swap runs first and leaves nothing to fuse).
+    """
+    fused = 0
+    for module in model.modules():
+        q, k, v = (getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+        if getattr(module, "qkv_proj", 0) is not None or getattr(module, "q_norm", 0) is not None:
+            continue  # already fused, not an attention, or Gemma's QK-norm (kept separate)
+        if not all(isinstance(p, nn.Linear) for p in (q, k, v)):
+            continue
+        assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)
+        weight = torch.cat([q.weight, k.weight, v.weight]).detach()
+        qkv = nn.Linear(q.in_features, weight.shape[0], bias=False, device=weight.device,
+                        dtype=weight.dtype)  # fmt: skip
+        qkv.weight = nn.Parameter(weight, requires_grad=False)
+        module.qkv_proj = qkv
+        for name in ("q_proj", "k_proj", "v_proj"):  # the fused copy replaces them
+            setattr(module, name, None)
+        fused += 1
+    return fused
 
 
 def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
