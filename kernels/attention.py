@@ -257,9 +257,10 @@ def _cascade_attention(
 
     Rows of a `_SharedPrefix` attend to its blocks together: their queries of one KV head are
     stacked into one `[R * G, D] @ [D, P]` product, so the prefix K/V is read once per step
-    instead of once per row (in place when its block ids are consecutive, as after a warm-up). Every row then attends to its own gathered
-    blocks (`k`, `v`: what follows its shared prefix, or its whole context). The two partial
-    softmaxes are merged with their log-sum-exps:
+    instead of once per row (in place when its block ids are consecutive, as after a warm-up).
+    Every row then attends to its own gathered blocks (`k`, `v`: what follows its shared
+    prefix, or its whole context). The two partial softmaxes are merged with their
+    log-sum-exps:
 
         out = out_p * exp(lse_p - lse) + out_s * exp(lse_s - lse),  lse = logaddexp(lse_p, lse_s)
 
