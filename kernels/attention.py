@@ -279,8 +279,7 @@ def _cascade_attention(
         plan.float_mask,  # [B, 1, 1, S]
         scale,
     )  # [B, KVH, G, D], [B, KVH, G]
-    out = out_s.clone()
-    for shared in plan.shared:
+    for shared in plan.shared:  # groups have disjoint rows: each merges into out_s in place
         r = shared.rows.numel()
         if shared.first_block is not None:  # a view of the pool: no copy
             span = slice(shared.first_block, shared.first_block + shared.blocks.numel())
@@ -292,15 +291,15 @@ def _cascade_attention(
         qp = q.index_select(0, shared.rows).view(r, kvh, g, d).transpose(0, 1)  # [KVH, R, G, D]
         out_p, lse_p = _attend_with_lse(qp.reshape(1, kvh, r * g, d), kp, vp, None, scale)
         out_p = out_p.view(kvh, r, g, d).transpose(0, 1)  # [R, KVH, G, D]
-        lse_p = lse_p.view(kvh, r, g).transpose(0, 1).float()  # [R, KVH, G]
-        lse_r = lse_s.index_select(0, shared.rows).float()
+        lse_p = lse_p.view(kvh, r, g).transpose(0, 1)  # [R, KVH, G]
+        lse_r = lse_s.index_select(0, shared.rows)
         lse = torch.logaddexp(lse_p, lse_r)
         merged = (
             out_p.float() * torch.exp(lse_p - lse)[..., None]
             + out_s.index_select(0, shared.rows).float() * torch.exp(lse_r - lse)[..., None]
         )
-        out.index_copy_(0, shared.rows, merged.to(q.dtype))
-    return out.reshape(b, h, d)
+        out_s.index_copy_(0, shared.rows, merged.to(q.dtype))
+    return out_s.reshape(b, h, d)
 
 
 def _attend_with_lse(

@@ -142,3 +142,35 @@ def paged_greedy(
 def greedy() -> Any:
     """The paged greedy driver (see `paged_greedy`)."""
     return paged_greedy
+
+
+def tiny_hf_config(arch: str, **overrides: Any) -> Any:
+    """Small transformers configs (Llama, Gemma 3 text) that still exercise every flag of the
+    model file (windows shorter than the text, soft-caps, linear RoPE scaling); `overrides`
+    replace any field (Gemma: give `layer_types` with `num_hidden_layers`)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    common = dict(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        max_position_embeddings=256, attn_implementation="eager",
+    )  # fmt: skip
+    if arch == "llama":
+        llama = dict(
+            num_hidden_layers=2, num_key_value_heads=2, rope_theta=500.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
+        )  # fmt: skip
+        return LlamaConfig(**(common | llama | overrides))
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    gemma = dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=layer_types, query_pre_attn_scalar=24, rope_theta=10000.0,
+        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+        final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+    )  # fmt: skip
+    return Gemma3TextConfig(**(common | gemma | overrides))
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Any:
+    """`tiny_hf_config`: small random-model configs for both architectures."""
+    return tiny_hf_config

@@ -127,37 +127,14 @@ def test_batched_varlen_matches_single_sequences(name, request, data_dir, greedy
         torch.testing.assert_close(batched_logits[0][b], alone_logits[0][0], atol=2e-3, rtol=1e-4)
 
 
-def tiny_hf_config(arch: str) -> Any:
-    """Small random configs that still exercise every flag (windows shorter than the text)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
-
-    common = dict(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-        max_position_embeddings=256, attn_implementation="eager",
-    )  # fmt: skip
-    if arch == "llama":
-        return LlamaConfig(
-            num_hidden_layers=2, num_key_value_heads=2, rope_theta=500.0,
-            rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
-            **common,
-        )  # fmt: skip
-    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    return Gemma3TextConfig(
-        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
-        layer_types=layer_types, query_pre_attn_scalar=24, rope_theta=10000.0,
-        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
-        final_logit_softcapping=3.0, attn_logit_softcapping=5.0, **common,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_tiny_random_model_matches_transformers(arch):
+def test_tiny_random_model_matches_transformers(arch, tiny_config):
     """Teacher-forced logits of a random tiny model: our paged prefill (2 chunks) + decode steps
     against one full transformers forward. Sequences run past the sliding window."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    hf_config = tiny_hf_config(arch)
+    hf_config = tiny_config(arch)
     hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():  # non-trivial norms and larger weights than the init
         for p in hf_model.parameters():

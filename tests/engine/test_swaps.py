@@ -58,34 +58,22 @@ def test_int8_linear_matches_dequantized_reference() -> None:
     torch.testing.assert_close(q8(x).float(), ref, rtol=2e-2, atol=5e-2)
 
 
-def _tiny_model(arch: str) -> nn.Module:
-    import copy
-
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+def _tiny_model(hf_config: object) -> nn.Module:
+    from transformers import AutoModelForCausalLM
 
     from workers.engine.config import ModelConfig
     from workers.engine.loader import model_from_hf_state_dict
 
     torch.manual_seed(0)
-    if arch == "llama":
-        cfg: object = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=3, num_attention_heads=4,
-                                  num_key_value_heads=2)  # fmt: skip
-        hf: nn.Module = LlamaForCausalLM(cfg)  # type: ignore[arg-type]
-    else:
-        cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-                               head_dim=16, sliding_window=8, query_pre_attn_scalar=16)  # fmt: skip
-        hf = Gemma3ForCausalLM(cfg)  # type: ignore[arg-type]
-    state = copy.deepcopy(hf.state_dict())
-    return model_from_hf_state_dict(state, ModelConfig.from_hf(cfg), torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model_from_hf_state_dict(hf.state_dict(), ModelConfig.from_hf(hf_config))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "mkl-packed"])
-def test_fused_qkv_is_bit_identical(packed: bool, greedy) -> None:
+def test_fused_qkv_is_bit_identical(packed: bool, greedy, tiny_config) -> None:
     import copy
 
-    model = _tiny_model("llama")
+    model = _tiny_model(tiny_config("llama", vocab_size=256, num_hidden_layers=3))
     fused = copy.deepcopy(model)
     assert fuse_qkv(fused) == 3 and fuse_qkv(fused) == 0  # once per layer, idempotent
     attn = fused.layers[0].attn  # type: ignore[index]
@@ -101,7 +89,7 @@ def test_fused_qkv_is_bit_identical(packed: bool, greedy) -> None:
     assert all(torch.equal(a, b) for a, b in zip(logits, fused_logits, strict=True))
 
 
-def test_fuse_qkv_leaves_qk_norm_attention_alone() -> None:
-    model = _tiny_model("gemma3")
+def test_fuse_qkv_leaves_qk_norm_attention_alone(tiny_config) -> None:
+    model = _tiny_model(tiny_config("gemma3"))
     assert fuse_qkv(model) == 0
     assert all(layer.attn.qkv_proj is None for layer in model.layers)  # type: ignore[union-attr]

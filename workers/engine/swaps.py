@@ -113,21 +113,22 @@ def fuse_qkv(model: nn.Module) -> int:
     and idempotent; run it before `pack_linears`, which then packs the fused Linear (the int8
     swap runs first and leaves nothing to fuse).
     """
+    from workers.engine.model import Attention
+
     fused = 0
-    for module in model.modules():
-        q, k, v = (getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj"))
-        if getattr(module, "qkv_proj", 0) is not None or getattr(module, "q_norm", 0) is not None:
-            continue  # already fused, not an attention, or Gemma's QK-norm (kept separate)
-        if not all(isinstance(p, nn.Linear) for p in (q, k, v)):
-            continue
-        assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)
+    for attn in model.modules():
+        if not isinstance(attn, Attention) or attn.qkv_proj is not None or attn.q_norm is not None:
+            continue  # not an attention, already fused, or Gemma's QK-norm (kept separate)
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)):
+            continue  # already swapped (int8)
         weight = torch.cat([q.weight, k.weight, v.weight]).detach()
         qkv = nn.Linear(q.in_features, weight.shape[0], bias=False, device=weight.device,
                         dtype=weight.dtype)  # fmt: skip
         qkv.weight = nn.Parameter(weight, requires_grad=False)
-        module.qkv_proj = qkv
+        attn.qkv_proj = qkv
         for name in ("q_proj", "k_proj", "v_proj"):  # the fused copy replaces them
-            setattr(module, name, None)
+            setattr(attn, name, None)
         fused += 1
     return fused
 
