@@ -188,6 +188,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         dtype=args.dtype,
         device=args.device,
         quantize=args.quantize,
+        compile_decode=args.compile_decode,
         enable_prefix_caching=prefix_cache,
         max_num_seqs=max(args.batches),
         max_new_tokens=new,
@@ -629,6 +630,8 @@ def worker_args(args: argparse.Namespace, system: str, model: str, prompts_file:
         cmd += ["--dtype", args.dtype]
     if args.quantize:
         cmd += ["--quantize", args.quantize]
+    if args.compile_decode:
+        cmd.append("--compile-decode")
     if args.prefix_cache:
         cmd.append("--prefix-cache")
     if args.kv_cache_tokens:
@@ -655,6 +658,7 @@ def parent_main(args: argparse.Namespace) -> JSON:
             "dtype": args.dtype,
             "device": args.device,
             "quantize": args.quantize,
+            "compile_decode": args.compile_decode,
             "new_tokens": args.new_tokens,
             "threads": args.threads,
             "prefix_cache_in_throughput": args.prefix_cache,
@@ -735,6 +739,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (tolk and transformers)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="tolk only")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="tolk: small decode-only steps through torch.compile (compiled at load)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--ttft-trials", type=int, default=8, help="warm/cold TTFT (first dropped)")

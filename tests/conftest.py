@@ -174,3 +174,38 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
 def tiny_config() -> Any:
     """`tiny_hf_config`: small random-model configs for both architectures."""
     return tiny_hf_config
+
+
+class IdsOnlyTokenizer:
+    """The engine decodes text at the end of a request; random models have no vocabulary."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+
+def tiny_random_models(hf_config: Any, device: str = "cpu") -> tuple[Any, Any]:
+    """(transformers model, tolk LoadedModel) with the same random float32 weights, drawn
+    wider than the init's 0.02 (std 0.2) so that greedy logits have fewer near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.config import ModelConfig
+    from workers.engine.loader import LoadedModel, model_from_hf_state_dict
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    for p in hf.parameters():
+        p.data.normal_(0, 0.2)
+    config = ModelConfig.from_hf(hf_config)
+    ours = model_from_hf_state_dict(hf.state_dict(), config, torch.float32, device)
+    arch = "gemma3" if config.qk_norm else "llama"
+    loaded = LoadedModel(ours, config, IdsOnlyTokenizer(), arch, "random")
+    return hf.eval().to(device), loaded
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Any:
+    """`tiny_random_models`: a transformers model and tolk's, on the same random weights."""
+    return tiny_random_models

@@ -102,6 +102,12 @@ def worker(
     bootstrap: BootstrapOpt = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    quantize: Annotated[
+        str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
+    ] = None,
+    compile_decode: Annotated[
+        bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
 ) -> None:
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
@@ -127,6 +133,8 @@ def worker(
         EngineConfig(
             model=settings.model,
             device=device,
+            quantize=quantize,
+            compile_decode=compile_decode,
             warm_languages=tuple(settings.languages),
             max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
         ),

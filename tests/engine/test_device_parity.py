@@ -15,9 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engine.config import ModelConfig
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.loader import LoadedModel, model_from_hf_state_dict
 from workers.engine.types import GenerationRequest, SamplingParams
 
 pytestmark = [
@@ -26,39 +24,15 @@ pytestmark = [
 ]
 
 
-class _IdsOnlyTokenizer:
-    """The engine decodes text at the end of a request; random models have no vocabulary."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return ""
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
-
-
-def _tiny(hf_config: Any) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    for p in model.parameters():  # larger than the init's 0.02: fewer near-ties in the logits
-        p.data.normal_(0, 0.2)
-    return model.eval()
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_engine_on_cuda_matches_transformers_float32(arch: str, tiny_config: Any) -> None:
+def test_engine_on_cuda_matches_transformers_float32(
+    arch: str, tiny_config: Any, tiny_models: Any
+) -> None:
     # no soft-caps: a capped attention takes the plain path, and cascade is what runs here
     no_caps = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
     cfg = tiny_config(arch, vocab_size=512, **(no_caps if arch == "gemma3" else {}))
-    hf = _tiny(cfg)
-    config = ModelConfig.from_hf(cfg)
-    ours = model_from_hf_state_dict(hf.state_dict(), config, torch.float32, "cuda")
-    hf = hf.to("cuda")
-    engine = Engine(
-        LoadedModel(ours, config, _IdsOnlyTokenizer(), arch, "random"),
-        EngineConfig(device="cuda", kv_cache_tokens=4096),
-    )
+    hf, loaded = tiny_models(cfg, "cuda")
+    engine = Engine(loaded, EngineConfig(device="cuda", kv_cache_tokens=4096))
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 512, (40,), generator=gen).tolist()
     prompts = [prefix + torch.randint(0, 512, (n,), generator=gen).tolist()

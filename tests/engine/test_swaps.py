@@ -9,6 +9,7 @@ from torch import nn
 from workers.engine.swaps import (
     MKLPackedLinear,
     WeightOnlyInt8Linear,
+    convert_for_runtime,
     fuse_qkv,
     mkl_packing_available,
     pack_linears,
@@ -49,13 +50,31 @@ def test_int8_quantization_error_is_bounded(n: int, k: int) -> None:
     assert torch.all(err <= scales[:, None] / 2 + 1e-6)  # at most half a quantization step
 
 
-def test_int8_linear_matches_dequantized_reference() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_linear_matches_dequantized_reference(dtype: torch.dtype) -> None:
+    # float32 activations: tolk's C++ op; bfloat16: torch's _weight_int8pack_mm
     torch.manual_seed(0)
     lin = nn.Linear(576, 192, bias=False)
-    q8 = WeightOnlyInt8Linear(lin, torch.bfloat16)
+    q8 = WeightOnlyInt8Linear(lin)
+    assert q8.weight.dtype == torch.int8 and q8.scales.dtype == torch.float32
     x = torch.randn(4, 576)
-    ref = x @ (q8.weight.float() * q8.scales.float()[:, None]).T
-    torch.testing.assert_close(q8(x).float(), ref, rtol=2e-2, atol=5e-2)
+    ref = x @ (q8.weight.float() * q8.scales[:, None]).T
+    y = q8(x.to(dtype))
+    assert y.dtype == dtype
+    tol = 2e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+
+
+def test_convert_for_runtime_int8_keeps_the_model_dtype(tiny_config) -> None:
+    model = _tiny_model(tiny_config("llama", vocab_size=256, num_hidden_layers=2))
+    fuse_qkv(model)
+    convert_for_runtime(model, "int8")
+    int8 = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)]
+    assert len(int8) == 2 * 5 + 1  # per layer: fused qkv, o, gate, up, down; + the LM head
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert model.embed.weight.dtype == torch.float32  # norms and embeddings untouched
+    convert_for_runtime(model, "int8")  # idempotent
+    assert sum(isinstance(m, WeightOnlyInt8Linear) for m in model.modules()) == len(int8)
 
 
 def _tiny_model(hf_config: object) -> nn.Module:

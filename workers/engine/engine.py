@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionMetadata
+from workers.engine.compiled import CompiledDecode
+from workers.engine.hugepages import to_huge_pages
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
+from workers.engine.model import Attention
 from workers.engine.prompts import PromptBuilder
 from workers.engine.scheduler import (
     AdmissionHook,
@@ -63,6 +66,10 @@ class EngineConfig:
     dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
     device: str = "cpu"
     quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
+    # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
+    # costs ~40 s per graph (two) at start-up, then reused from inductor's disk cache
+    compile_decode: bool = False
+    compile_max_batch: int = 8
     pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
     fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
     block_size: int = 16  # tokens per KV block
@@ -85,7 +92,15 @@ class EngineStats:
     preemptions: int = 0
     last_batch_size: int = 0
     step_seconds: float = 0.0  # total time inside model steps
+    compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
+
+
+def move_kv_cache_to_huge_pages(model: torch.nn.Module) -> None:
+    """Each layer's K and V pools into one huge-page buffer (CPU only; see hugepages.py)."""
+    for attn in model.modules():  # a layer at a time: the copy never doubles the whole pool
+        if isinstance(attn, Attention) and attn.k_cache is not None and attn.v_cache is not None:
+            attn.k_cache, attn.v_cache = to_huge_pages([attn.k_cache, attn.v_cache])
 
 
 class Engine:
@@ -101,6 +116,7 @@ class Engine:
         self.model = loaded.model
         if self.config.fuse_qkv:
             fuse_qkv(self.model)  # Llama: one q/k/v projection (in place, idempotent)
+        convert_for_runtime(self.model, self.config.quantize)  # int8 weights (idempotent)
         if self.config.pack_weights:
             pack_linears(self.model)  # no-op unless float32 nn.Linear on CPU
         self.tokenizer = loaded.tokenizer
@@ -116,6 +132,12 @@ class Engine:
         self.kv = KVCacheManager(groups, enable_prefix_caching=self.config.enable_prefix_caching)
         self.model.allocate_kv_cache(
             {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device
+        )
+        move_kv_cache_to_huge_pages(self.model)
+        self.compiled = (
+            CompiledDecode(self.model, bs, self.config.compile_max_batch)
+            if self.config.compile_decode
+            else None
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -146,12 +168,13 @@ class Engine:
     def from_config(cls, config: EngineConfig, **kwargs: object) -> Engine:
         dtype = getattr(torch, config.dtype) if config.dtype else None
         loaded = load_model(config.model, dtype=dtype, device=config.device)
-        if config.quantize:
-            convert_for_runtime(loaded.model, config.quantize)
         engine = cls(loaded, config, **kwargs)  # type: ignore[arg-type]
         warm = [lang for lang in config.warm_languages if lang in engine.languages]
         if warm:
             engine.warm(warm)  # synchronous: the loop thread is not running yet
+        if engine.compiled is not None:
+            engine.compiled.warm_up()
+            release_openmp_pool()
         return engine
 
     # -- submission (any thread) -----------------------------------------------------------
@@ -312,6 +335,10 @@ class Engine:
         return [self._finish(seq) for seq in finished]
 
     def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+        compiled = self.compiled
+        decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
+        if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
+            return self._run_compiled(compiled, out)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -341,8 +368,25 @@ class Engine:
         logits = self.model.compute_logits(hidden.index_select(0, ends))  # [N, V] float32
         return self._sample([out.chunks[i].seq for i in sampling], logits)
 
-    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> dict[str, int]:
-        tokens = logits.argmax(dim=-1).tolist()  # greedy for all; sampled rows replaced below
+    def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
+        """A decode-only step through the compiled graph (one new token per sequence)."""
+        seqs = [c.seq for c in out.chunks]
+        self.stats.compiled_steps += 1
+        logits, greedy = compiled(
+            [c.seq.token_ids[c.start] for c in out.chunks],
+            [c.start for c in out.chunks],
+            {
+                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
+                for g in self.kv.groups
+            },
+        )
+        return self._sample(seqs, logits, greedy)
+
+    def _sample(
+        self, seqs: list[SequenceState], logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> dict[str, int]:
+        # greedy for all (given by a compiled step); sampled rows replaced below
+        tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
         for row, seq in enumerate(seqs):
             p = seq.request.params
             if p.temperature <= 0:

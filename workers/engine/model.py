@@ -21,7 +21,9 @@ is no padding and no batch dimension. Each attention layer owns a paged KV cache
 `[num_blocks, block_size, KVH, D]` of its group ("full" or "sliding"), allocated by
 `allocate_kv_cache`; the block tables and slot mapping come from the caller as one
 `AttentionMetadata` per group. New K/V are written into the cache first, then attention reads the
-prefix and the new tokens from the cache alike (`kernels.attention`).
+prefix and the new tokens from the cache alike (`kernels.attention`). A compiled decode step
+(`workers/engine/compiled.py`) passes a `DecodeBatch` per group instead: tensors only, one new
+token per sequence, the same function through ops that `torch.compile` can trace.
 
 Weights use our own short names (see `loader.hf_to_tolk_name`). Speed-ups (compiled decode,
 fused kernels, quantized linears) are applied from outside by swapping modules or ops; this file
@@ -36,8 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.attention import AttentionMetadata, paged_attention, write_kv
+from kernels.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    decode_attention,
+    paged_attention,
+    write_kv,
+    write_kv_decode,
+)
 from workers.engine.config import ModelConfig
+
+# a step's attention metadata per KV group: the general one, or a compiled decode step's tensors
+AttnMeta = AttentionMetadata | DecodeBatch
 
 
 class RMSNorm(nn.Module):
@@ -119,7 +131,7 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttnMeta) -> Tensor:
         t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             # fused: one projection, and RoPE on q and k heads together (Llama)
@@ -135,10 +147,14 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         assert self.k_cache is not None and self.v_cache is not None, "allocate_kv_cache() first"
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = paged_attention(
-            q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
-        )  # [T, H, D]
+        if isinstance(meta, DecodeBatch):  # a compiled decode graph (workers/engine/compiled.py)
+            write_kv_decode(k, v, self.k_cache, self.v_cache, meta)
+            o = decode_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.softcap)
+        else:
+            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            o = paged_attention(
+                q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap
+            )  # [T, H, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -168,7 +184,7 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(d, eps, one_plus) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(d, eps, one_plus) if config.post_norms else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttnMeta) -> Tensor:
         h = self.attn(self.attn_norm(x), cos, sin, meta)  # [T, D]
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
@@ -230,9 +246,7 @@ class Transformer(nn.Module):
             block.attn.k_cache = None
             block.attn.v_cache = None
 
-    def forward(
-        self, input_ids: Tensor, positions: Tensor, attn: dict[str, AttentionMetadata]
-    ) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: dict[str, AttnMeta]) -> Tensor:
         """input_ids, positions [T] -> hidden states [T, D] after the final norm."""
         x = self.embed(input_ids)  # [T, D]
         if self.config.embed_scale != 1.0:

@@ -11,19 +11,23 @@
   37.3 -> 35.4 ms, B=32 (prefix shared) 94 -> 92 ms.
 - `convert_for_runtime(model, "int8")`: every `nn.Linear` (attention and MLP projections and
   the LM head) becomes `WeightOnlyInt8Linear`: int8 weights with one float scale per output
-  channel (symmetric, absmax / 127).
+  channel (symmetric, absmax / 127); everything else keeps the model's dtype.
 
-Batch-1 decode on a CPU is bound by reading the weights; int8 reads a quarter of float32's bytes.
-torch's CPU kernel for it (`aten._weight_int8pack_mm`) wants bfloat16 activations, so the int8
-path runs the rest of the model in bfloat16 (norms and softmax still upcast to float32 inside).
-The quality cost is measured in `bench/quality.py` (chrF on Tatoeba vs float32).
+Batch-1 decode on a CPU is bound by reading the weights; int8 reads a quarter of float32's bytes
+(SmolLM2: 135 MB, which also fits this machine's L3). On the CPU with float32 activations the
+projections run `kernels.int8_linear` (our AVX-512 op); with bfloat16 activations torch's
+`aten._weight_int8pack_mm`; on other devices the dequantizing reference. The quality cost is
+measured in `bench/quality.py` (chrF on Tatoeba vs float32).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kernels import cpu_ops
+from kernels.int8_linear import int8_linear
+from workers.engine.hugepages import to_huge_pages
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,24 +42,25 @@ class WeightOnlyInt8Linear(nn.Module):
     weight: Tensor
     scales: Tensor
 
-    def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         assert linear.bias is None, "the model's projections have no bias"
         q, scales = quantize_int8(linear.weight)
         self.in_features: int = linear.in_features
         self.out_features: int = linear.out_features
-        self.register_buffer("weight", q)
-        self.register_buffer("scales", scales.to(act_dtype))
-        self.act_dtype: torch.dtype = act_dtype
+        self.register_buffer("weight", q.to(linear.weight.device))
+        self.register_buffer("scales", scales.to(linear.weight.device))  # float32 [N]
+        if q.device.type == "cpu":
+            cpu_ops.load()  # build the C++ ops now, not inside the first (compiled) step
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.act_dtype)  # [M, K]
-        if x2.device.type == "cpu" and self.act_dtype == torch.bfloat16:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        else:  # reference path (GPU or float32 activations): dequantize on the fly
-            y = F.linear(x2, self.weight.to(self.act_dtype)) * self.scales
-        return y.reshape(*shape[:-1], self.out_features)
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # torch's own CPU kernel
+            shape = x.shape
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(-1, shape[-1]), self.weight, self.scales.to(x.dtype)
+            )
+            return y.reshape(*shape[:-1], self.out_features)
+        return int8_linear(x, self.weight, self.scales)
 
 
 class MKLPackedLinear(nn.Module):
@@ -74,6 +79,8 @@ class MKLPackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w, batch_hint))
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # inductor packs the weight its own way
+            return torch.nn.functional.linear(x, self.weight)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
         y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, self.batch_hint)
@@ -139,14 +146,11 @@ def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
         return model
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r} (supported: int8)")
-    act_dtype = torch.bfloat16
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, WeightOnlyInt8Linear(child, act_dtype))
-    device = next(model.parameters()).device
-    model.to(act_dtype)  # embeddings, norms: int8 buffers keep their dtype (to() skips ints)
-    reset = getattr(model, "reset_buffers", None)
-    if reset is not None:
-        reset(device)  # RoPE frequencies back in float32, as transformers keeps them
+                setattr(module, child_name, WeightOnlyInt8Linear(child))
+    int8 = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)]
+    for m, w in zip(int8, to_huge_pages([m.weight for m in int8]), strict=True):
+        m.weight = w  # all int8 weights in one buffer on huge pages (CPU; else unchanged)
     return model

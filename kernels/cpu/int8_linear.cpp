@@ -1,0 +1,236 @@
+// tolk::int8_linear: y[m, n] = scales[n] * sum_k x[m, k] * w[n, k] for float32 x, int8 w.
+//
+// Weight-only int8 for the small-M GEMMs of decode, where a CPU is bound by reading the
+// weights: a quarter of float32's bytes, and small enough (SmolLM2: 135 MB) to stay in a
+// large L3. Each task takes a range of output rows, four weight rows at a time (independent
+// accumulator chains), each weight vector widened once and used for up to four activation rows.
+//
+// Two inner loops:
+// - VNNI (default where AVX512-VNNI exists): each activation row as 16-bit fixed point
+//   (xq = round(x / xs), xs = max|x| / 32767) and vpdpwssd on int8 -> int16 weights; two
+//   instructions per 32 weights. Error ~1e-4 of the output range: ~8x below rounding the
+//   activations to bfloat16, as torch's int8 kernel does (tests/kernels/test_int8_linear.py).
+// - exact_float32=true (and CPUs without VNNI): int8 -> float32 and FMA in float32.
+// Without AVX-512 the plain loop at the end is what the compiler vectorizes.
+//
+// Built at first use by kernels/cpu_ops.py (torch.utils.cpp_extension.load, -O3 -march=native
+// -fopenmp: at::parallel_for is OpenMP, inline in the headers).
+#include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOLK_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 4;  // weight rows per inner block
+
+#ifdef TOLK_AVX512
+// MT activation rows x 4 weight rows starting at n.
+template <int MT>
+inline void block_avx512(const float* x, int64_t K, const int8_t* w, const float* scales,
+                         float* y, int64_t N, int64_t n) {
+  __m512 acc[MT][kRows];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + r) * K + k));
+      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  if (k < K) {  // tail: masked loads
+    __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      __m128i q = _mm_maskz_loadu_epi8(mask, w + (n + r) * K + k);
+      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+    for (int m = 0; m < MT; ++m) {
+      __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r)
+      y[m * N + n + r] = _mm512_reduce_add_ps(acc[m][r]) * scales[n + r];
+}
+#endif
+
+#if defined(TOLK_AVX512) && defined(__AVX512VNNI__)
+#define TOLK_VNNI 1
+// The VNNI path: each activation row is held as 16-bit fixed point, xq = round(x / xs) with
+// xs = max|x| / 32767, so a dot product is vpdpwssd (32 int16 x int16 products, summed in
+// pairs into 16 int32 lanes, one instruction) on weights widened int8 -> int16: two
+// instructions per 32 weights instead of six. Lanes are flushed to float32 every kChunk
+// columns, far below int32 overflow (kChunk / 32 * 2 * 32767 * 127 < 2^31).
+constexpr int64_t kChunk = 4096;
+
+template <int MT>
+inline void block_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
+                       const int8_t* w, const float* scales, float* y, int64_t N, int64_t n,
+                       bool prefetch) {
+  __m512 accf[MT][kRows];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) accf[m][r] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < K; kc += kChunk) {
+    const int64_t kend = std::min(K, kc + kChunk);
+    __m512i acc[MT][kRows];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_setzero_si512();
+    for (int64_t k = kc; k < kend; k += 32) {
+      if (prefetch && (k & 63) == 0)  // the next 4-row block, one cache line per row
+        for (int r = 0; r < kRows; ++r) __builtin_prefetch(w + (n + kRows + r) * K + k);
+      __m512i wv[kRows];
+      if (k + 32 <= kend) {
+        for (int r = 0; r < kRows; ++r)
+          wv[r] = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + r) * K + k)));
+      } else {  // tail: masked weight loads (xq is zero-padded to Kp)
+        const __mmask32 mask = static_cast<__mmask32>((1ull << (kend - k)) - 1);
+        for (int r = 0; r < kRows; ++r)
+          wv[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + (n + r) * K + k));
+      }
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xq + m * Kp + k);
+        for (int r = 0; r < kRows; ++r) acc[m][r] = _mm512_dpwssd_epi32(acc[m][r], wv[r], xv);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r)
+        accf[m][r] = _mm512_add_ps(accf[m][r], _mm512_cvtepi32_ps(acc[m][r]));
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r)
+      y[m * N + n + r] = _mm512_reduce_add_ps(accf[m][r]) * (scales[n + r] * xs[m]);
+}
+
+// x [M, K] float32 -> xq [M, Kp] int16 (zero-padded), xs [M] (one scale per row)
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
+                          float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(xr[k]));
+    const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+    const float inv = 1.f / scale;
+    int16_t* qr = xq + m * Kp;
+    for (int64_t k = 0; k < K; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    for (int64_t k = K; k < Kp; ++k) qr[k] = 0;
+    xs[m] = scale;
+  }
+}
+
+void rows_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+               const int8_t* w, const float* scales, float* y, int64_t N, int64_t n_begin,
+               int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; n += kRows) {  // n_end - n_begin is a multiple of 4
+    const bool pf = n + 2 * kRows <= n_end;  // prefetch the next block while on this one
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      block_vnni<4>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0);
+    switch (M - m) {
+      case 3: block_vnni<3>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      case 2: block_vnni<2>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      case 1: block_vnni<1>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+// One output row n for activation rows [0, M): the portable path (and the N % 4 rest).
+inline void row_plain(const float* x, int64_t M, int64_t K, const int8_t* w,
+                      const float* scales, float* y, int64_t N, int64_t n) {
+  const int8_t* wr = w + n * K;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += xr[k] * static_cast<float>(wr[k]);
+    y[m * N + n] = acc * scales[n];
+  }
+}
+
+void rows(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scales, float* y,
+          int64_t N, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+#ifdef TOLK_AVX512
+  for (; n + kRows <= n_end; n += kRows) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) block_avx512<4>(x + m * K, K, w, scales, y + m * N, N, n);
+    switch (M - m) {
+      case 3: block_avx512<3>(x + m * K, K, w, scales, y + m * N, N, n); break;
+      case 2: block_avx512<2>(x + m * K, K, w, scales, y + m * N, N, n); break;
+      case 1: block_avx512<1>(x + m * K, K, w, scales, y + m * N, N, n); break;
+      default: break;
+    }
+  }
+#endif
+  for (; n < n_end; ++n) row_plain(x, M, K, w, scales, y, N, n);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       bool exact_float32) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu(),
+              "tolk::int8_linear is a CPU op");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2, "w must be int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1, "scales: float32 [N]");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, w expects ", K);
+  TORCH_CHECK(scales.size(0) == N, "scales must have ", N, " entries");
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  at::Tensor wc = w.contiguous(), sc = scales.contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(out_shape);
+  const float* xp = x2.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // tasks are ranges of 4-row blocks; grain keeps a task above ~64 KB of weights
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K));
+#ifdef TOLK_VNNI
+  if (!exact_float32) {
+    const int64_t Kp = (K + 31) / 32 * 32;
+    std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
+    std::vector<float> xs(static_cast<size_t>(M));
+    quantize_rows(xp, M, K, Kp, xq.data(), xs.data());
+    const int64_t full = N / kRows;  // whole 4-row blocks; the rest runs the plain loop
+    at::parallel_for(0, full, grain, [&](int64_t b0, int64_t b1) {
+      rows_vnni(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, b0 * kRows, b1 * kRows);
+    });
+    for (int64_t n = full * kRows; n < N; ++n) row_plain(xp, M, K, wp, sp, yp, N, n);
+    return y.view(out_shape);
+  }
+#endif
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    rows(xp, M, K, wp, sp, yp, N, b0 * kRows, std::min(N, b1 * kRows));
+  });
+  return y.view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tolk, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool exact_float32=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tolk, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+}

@@ -1,0 +1,81 @@
+"""tolk's C++ CPU ops (`kernels/cpu/*.cpp`), built on first use and loaded as `torch.ops.tolk`.
+
+- `tolk::int8_linear(x, w, scales, exact_float32=False)`: see `kernels/int8_linear.py`.
+- `tolk::decode_attention(q, k_cache, v_cache, blocks, valid, scale, softcap=None)`: see
+  `kernels/attention.py` (`decode_attention`).
+
+`load()` compiles every source into one library with `torch.utils.cpp_extension.load` (a C++
+compiler and `ninja` are needed; ~20 s the first time, then cached under
+`$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions, and rebuilt when a source
+changes), with `-march=native` since it is built on the machine that runs it. Each op gets a
+fake (meta) implementation, so `torch.compile` graphs call it as one extern kernel. When the
+build fails (no toolchain), `load()` returns False once, logs why, and callers use their torch
+reference. `LOADED` is a plain module global so that compiled graphs read it as a constant.
+This module is a leaf: it imports torch only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+LOADED = False
+_lock = threading.Lock()
+_tried = False
+_error: str | None = None
+
+
+def load() -> bool:
+    """Build (first time) and load the ops; thread-safe, tried once per process."""
+    global LOADED, _tried, _error
+    with _lock:
+        if _tried:
+            return LOADED
+        _tried = True
+        try:
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(
+                name="tolk_cpu_kernels",
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            _register_fakes()
+            LOADED = True
+        except Exception as exc:  # no compiler, no ninja, unsupported platform
+            _error = f"{type(exc).__name__}: {exc}"
+            log.warning("tolk C++ CPU ops unavailable, using the torch references: %s", exc)
+        return LOADED
+
+
+def error() -> str | None:
+    """Why the ops are not in use (None when they are, or were never tried)."""
+    return _error
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("tolk::int8_linear")
+    def _int8_linear(x: Tensor, w: Tensor, scales: Tensor, exact_float32: bool = False) -> Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("tolk::decode_attention")
+    def _decode_attention(
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        blocks: Tensor,
+        valid: Tensor,
+        scale: float,
+        softcap: float | None = None,
+    ) -> Tensor:
+        return torch.empty_like(q)

@@ -1,0 +1,99 @@
+"""Compiled decode steps: the model's forward for decode-only batches through `torch.compile`.
+
+A decode step at small batch runs ~45 small ops per layer; in eager mode each costs a dispatch,
+which for SmolLM2 at batch 1 costs more than reading the weights. `CompiledDecode` traces the
+same `Transformer.forward` (no second model) for steps in which every sequence adds one token,
+with `kernels.attention.DecodeBatch` as the attention metadata: tensors only, so one graph with
+dynamic batch and context sizes serves every such step (dynamo specializes size 1, so batch 1
+gets a graph of its own: two compilations, ~40-80 s on two cores at start-up, `warm_up`; later
+processes reuse inductor's on-disk cache). Inductor fuses norms, RoPE and residuals into C++
+loops and, on the CPU, emits a C++ wrapper; projections and attention are extern calls (MKL
+for float32, `tolk::int8_linear` for int8 weights, `tolk::decode_attention`). The greedy argmax
+is computed in the graph too.
+
+SmolLM2-135M, batch 1, 2 cores (tokens/s in bench/engine.py): eager float32 27.8, compiled
+float32 40.2, compiled with int8 weights ~100 (docs/BENCHMARKS.md).
+
+The engine uses it for decode-only steps of at most `max_batch` sequences (`EngineConfig.
+compile_decode`); prefill and mixed steps, and larger decode batches (where the eager path's
+cascade attention reads a shared language prefix once), stay eager. Results are the same
+function up to float rounding (inductor sums reductions in another order), so greedy tokens
+can differ from eager ones only at near-ties; tests/engine/test_compiled.py checks them
+against transformers (tiny Llama and Gemma 3) and the eager engine (SmolLM2's real weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from kernels import cpu_ops
+from kernels.attention import DecodeBatch
+from workers.engine.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    def __init__(self, model: Transformer, block_size: int, max_batch: int = 8) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.windows: dict[str, int | None] = {
+            group: model.config.sliding_window if group == "sliding" else None
+            for group in model.config.kv_groups
+        }
+        if model.embed.weight.device.type == "cpu":
+            cpu_ops.load()  # tolk::decode_attention (and int8_linear), before any tracing
+        # CPU: inductor's C++ wrapper calls the kernels without a Python frame per op (its
+        # Python wrapper cost ~1.2 of ~10.5 ms per batch-1 SmolLM2 step in shape checks alone)
+        on_cpu = model.embed.weight.device.type == "cpu"
+        self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
+            self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
+        )
+
+    def _forward(
+        self, input_ids: Tensor, positions: Tensor, batches: dict[str, DecodeBatch]
+    ) -> tuple[Tensor, Tensor]:
+        hidden = self.model(input_ids, positions, dict(batches))
+        logits = self.model.compute_logits(hidden)  # [B, V] float32
+        return logits, logits.argmax(dim=-1)  # the argmax fused in the graph (greedy rows)
+
+    def applies(self, batch_size: int) -> bool:
+        """Whether a decode-only step of this many sequences runs compiled."""
+        return 0 < batch_size <= self.max_batch
+
+    def __call__(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        block_tables: Mapping[str, Sequence[Sequence[int]]],
+    ) -> tuple[Tensor, Tensor]:
+        """One new token per sequence: ids, 0-based positions, block tables per KV group ->
+        (logits [B, V] float32 as `model.compute_logits(model(...))` gives, their argmax [B])."""
+        device = self.model.embed.weight.device
+        batches = {
+            group: DecodeBatch.build(
+                positions, tables, self.block_size, self.windows[group], device
+            )
+            for group, tables in block_tables.items()
+        }
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+        pos = torch.tensor(list(positions), dtype=torch.long, device=device)
+        return self._fn(ids, pos, batches)
+
+    def warm_up(self, batch_sizes: Sequence[int] = (1, 2)) -> float:
+        """Compile for these batch sizes now (writing only the null block 0), not at the first
+        request; returns the seconds it took."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for b in batch_sizes:
+                tables = {group: [[0]] * b for group in self.windows}
+                self([0] * b, [0] * b, tables)
+        seconds = time.perf_counter() - t0
+        log.info("compiled decode graphs for batch sizes %s in %.1fs", list(batch_sizes), seconds)
+        return seconds
