@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 
 class CompiledDecode:
+    """The model's decode step, compiled; called with python lists, returns (logits, argmax)."""
+
     def __init__(self, model: Transformer, block_size: int, max_batch: int = 8) -> None:
         self.model = model
         self.block_size = block_size
@@ -47,11 +49,11 @@ class CompiledDecode:
             group: model.config.sliding_window if group == "sliding" else None
             for group in model.config.kv_groups
         }
-        if model.embed.weight.device.type == "cpu":
+        on_cpu = model.embed.weight.device.type == "cpu"
+        if on_cpu:
             cpu_ops.load()  # tolk::decode_attention (and int8_linear), before any tracing
         # CPU: inductor's C++ wrapper calls the kernels without a Python frame per op (its
-        # Python wrapper cost ~1.2 of ~10.5 ms per batch-1 SmolLM2 step in shape checks alone)
-        on_cpu = model.embed.weight.device.type == "cpu"
+        # Python wrapper cost ~1.2 of ~10.5 ms per batch-1 SmolLM2 step, shape checks mostly)
         self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
         )
