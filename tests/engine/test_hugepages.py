@@ -32,3 +32,13 @@ def test_empty_and_non_cpu_inputs_come_back_unchanged() -> None:
     assert to_huge_pages([]) == []
     meta = torch.empty(4, device="meta")
     assert to_huge_pages([meta])[0] is meta
+
+
+def test_zeros_are_zero_and_aligned() -> None:
+    from workers.engine.hugepages import zeros
+
+    pool = zeros((5, 16, 3, 64), dtype=torch.float32, device="cpu")
+    assert pool.shape == (5, 16, 3, 64) and pool.dtype == torch.float32
+    assert not pool.any()
+    if sys.platform.startswith("linux"):
+        assert pool.data_ptr() % HUGE_PAGE == 0

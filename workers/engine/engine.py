@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionMetadata
+from workers.engine import hugepages
 from workers.engine.compiled import CompiledDecode
-from workers.engine.hugepages import to_huge_pages
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
-from workers.engine.model import Attention
 from workers.engine.prompts import PromptBuilder
 from workers.engine.scheduler import (
     AdmissionHook,
@@ -67,7 +66,7 @@ class EngineConfig:
     device: str = "cpu"
     quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
     # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
-    # costs ~40 s per graph (two) at start-up, then reused from inductor's disk cache
+    # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
     compile_decode: bool = False
     compile_max_batch: int = 8
     pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
@@ -94,13 +93,6 @@ class EngineStats:
     step_seconds: float = 0.0  # total time inside model steps
     compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
-
-
-def move_kv_cache_to_huge_pages(model: torch.nn.Module) -> None:
-    """Each layer's K and V pools into one huge-page buffer (CPU only; see hugepages.py)."""
-    for attn in model.modules():  # a layer at a time: the copy never doubles the whole pool
-        if isinstance(attn, Attention) and attn.k_cache is not None and attn.v_cache is not None:
-            attn.k_cache, attn.v_cache = to_huge_pages([attn.k_cache, attn.v_cache])
 
 
 class Engine:
@@ -130,10 +122,9 @@ class Engine:
             for g in mc.kv_groups
         ]
         self.kv = KVCacheManager(groups, enable_prefix_caching=self.config.enable_prefix_caching)
-        self.model.allocate_kv_cache(
-            {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device
+        self.model.allocate_kv_cache(  # CPU pools on huge pages (workers/engine/hugepages.py)
+            {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device, hugepages.zeros
         )
-        move_kv_cache_to_huge_pages(self.model)
         self.compiled = (
             CompiledDecode(self.model, bs, self.config.compile_max_batch)
             if self.config.compile_decode

@@ -32,6 +32,7 @@ stays the readable reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -231,14 +232,16 @@ class Transformer(nn.Module):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        zeros: Callable[..., Tensor] = torch.zeros,
     ) -> None:
-        """Give each layer a paged cache [num_blocks[group], block_size, KVH, D]; block 0 = null."""
+        """Give each layer a paged cache [num_blocks[group], block_size, KVH, D]; block 0 = null.
+        `zeros(shape, dtype=, device=)` allocates each pool (the engine: on huge pages)."""
         cfg = self.config
         for layer in self.layers:
             block = cast(Block, layer)
             shape = (num_blocks[block.layer_type], block_size, cfg.num_kv_heads, cfg.head_dim)
-            block.attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            block.attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            block.attn.k_cache = zeros(shape, dtype=dtype, device=device)
+            block.attn.v_cache = zeros(shape, dtype=dtype, device=device)
 
     def free_kv_cache(self) -> None:
         for layer in self.layers:

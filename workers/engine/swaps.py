@@ -117,8 +117,8 @@ def fuse_qkv(model: nn.Module) -> int:
     One GEMM of N = (H + 2 KVH) * D instead of three, and RoPE over q and k heads at once: ~7
     fewer ops per layer. MKL computes each output column the same way whatever N is, so the
     outputs are bit-identical to the three projections (tests/engine/test_swaps.py). In place
-    and idempotent; run it before `pack_linears`, which then packs the fused Linear (the int8
-    swap runs first and leaves nothing to fuse).
+    and idempotent; run it before `convert_for_runtime` and `pack_linears`, which then
+    quantize or pack the fused Linear (on an already-swapped model it leaves them alone).
     """
     from workers.engine.model import Attention
 
@@ -146,11 +146,12 @@ def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
         return model
     if mode != "int8":
         raise ValueError(f"unknown quantization {mode!r} (supported: int8)")
+    swapped = []
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, WeightOnlyInt8Linear(child))
-    int8 = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)]
-    for m, w in zip(int8, to_huge_pages([m.weight for m in int8]), strict=True):
-        m.weight = w  # all int8 weights in one buffer on huge pages (CPU; else unchanged)
+                swapped.append(WeightOnlyInt8Linear(child))
+                setattr(module, child_name, swapped[-1])
+    for m, w in zip(swapped, to_huge_pages([m.weight for m in swapped]), strict=True):
+        m.weight = w  # the int8 weights in one buffer on huge pages (CPU; else unchanged)
     return model
