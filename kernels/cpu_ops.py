@@ -3,6 +3,8 @@
 - `tolk::int8_linear(x, w, scales, exact_float32=False)`: see `kernels/int8_linear.py`.
 - `tolk::decode_attention(q, k_cache, v_cache, blocks, valid, scale, softcap=None)`: see
   `kernels/attention.py` (`decode_attention`).
+- `tolk::screened_argmax(x, approx, weight, act, wt, softcap=None)`: see
+  `kernels/greedy_head.py` (`greedy_tokens`).
 
 `load()` compiles every source into one library with `torch.utils.cpp_extension.load` (a C++
 compiler and `ninja` are needed; ~20 s the first time, then cached under
@@ -79,3 +81,14 @@ def _register_fakes() -> None:
         softcap: float | None = None,
     ) -> Tensor:
         return torch.empty_like(q)
+
+    @torch.library.register_fake("tolk::screened_argmax")
+    def _screened_argmax(
+        x: Tensor,
+        approx: Tensor,
+        weight: Tensor,
+        act: Tensor,
+        wt: Tensor,
+        softcap: float | None = None,
+    ) -> Tensor:
+        return x.new_empty((x.shape[0],), dtype=torch.long)

@@ -34,13 +34,52 @@ def test_prefix_is_shared_across_requests_of_a_language(engine: Engine) -> None:
 def test_warm_language_prefills_only_its_own_tokens(engine: Engine) -> None:
     engine.warm(["de"])
     prefix_len = len(engine.prompts.prefix_ids("de"))
-    full_blocks = prefix_len // engine.kv.block_size * engine.kv.block_size
+    assert prefix_len % engine.kv.block_size  # the prefix ends inside a block ...
     before = engine.stats.prefill_tokens
     req = engine.translation_request("Can you help me with my booking?", "en", "de")
     (res,) = engine.generate([req])
     assert res.ok and res.text
-    assert res.cached_tokens == full_blocks > 0
+    assert res.cached_tokens == prefix_len  # ... whose slots are copied, not recomputed
     assert engine.stats.prefill_tokens - before == res.tokens_in - res.cached_tokens
+
+
+def test_partial_block_reuse_gives_the_tokens_of_whole_block_reuse(smollm2: Any) -> None:
+    texts = ["Can you help me with my booking?", "My order arrived broken."]
+
+    def run(partial: bool) -> tuple[list[list[int]], list[int]]:
+        eng = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, share_partial_blocks=partial))
+        eng.warm(["fr"])
+        reqs = [eng.translation_request(t, "en", "fr", max_new_tokens=12) for t in texts]
+        results = [eng.generate([r])[0] for r in reqs]
+        return [r.token_ids for r in results], [r.cached_tokens for r in results]
+
+    whole, whole_cached = run(False)
+    partial, partial_cached = run(True)
+    assert partial == whole
+    assert all(p > w for p, w in zip(partial_cached, whole_cached, strict=True))
+
+
+def test_screened_lm_head_gives_the_float32_heads_tokens(smollm2: Any) -> None:
+    texts = ["Where is my parcel?", "I was charged twice.", "My app keeps crashing."]
+
+    def run(screen: bool) -> tuple[list[list[int]], int]:
+        eng = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, screen_lm_head=screen))
+        assert (eng.lm_screen is not None) == screen
+        reqs = [eng.translation_request(t, "en", "it", max_new_tokens=16) for t in texts]
+        return [r.token_ids for r in eng.generate(reqs)], eng.stats.screened_steps
+
+    plain, plain_steps = run(False)
+    screened, screened_steps = run(True)
+    assert screened == plain
+    assert plain_steps == 0 and screened_steps > 0
+
+
+def test_sampled_requests_bypass_the_screen(engine: Engine) -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3)
+    ids = engine.prompts.build("Thanks a lot!", "en", "es")[0]
+    (res,) = engine.generate([GenerationRequest("s1", ids, params)])
+    assert res.ok and res.tokens_out > 0
+    assert engine.stats.screened_steps == 0
 
 
 def test_requests_of_a_warm_language_decode_with_cascade_attention(

@@ -1,6 +1,8 @@
 """KV cache manager: exact block ids, refcounts, prefix hits, LRU order, sliding windows.
 
 Tiny pools (block_size 4, 6-16 blocks; block 0 is the null block) so every id can be asserted.
+Whole-block behaviour is tested with partial blocks off (`partial=False`, the helpers' default);
+the partial-block hits have their own section at the end.
 """
 
 from __future__ import annotations
@@ -8,27 +10,30 @@ from __future__ import annotations
 import pytest
 
 from workers.engine.kv_cache import (
+    BlockCopy,
     BlockPool,
     KVCacheManager,
     KVGroupSpec,
     hash_block_tokens,
+    prefix_keys,
 )
 
 BS = 4
 
 
-def full_only(num_blocks: int = 8, caching: bool = True) -> KVCacheManager:
-    return KVCacheManager([KVGroupSpec("full", num_blocks, BS, None)], caching)
+def full_only(num_blocks: int = 8, caching: bool = True, partial: bool = False) -> KVCacheManager:
+    return KVCacheManager([KVGroupSpec("full", num_blocks, BS, None)], caching, partial)
 
 
 def full_and_sliding(
-    full_blocks: int = 16, sliding_blocks: int = 8, window: int = 8
+    full_blocks: int = 16, sliding_blocks: int = 8, window: int = 8, partial: bool = False
 ) -> KVCacheManager:
     return KVCacheManager(
         [
             KVGroupSpec("full", full_blocks, BS, None),
             KVGroupSpec("sliding", sliding_blocks, BS, window),
-        ]
+        ],
+        share_partial_blocks=partial,
     )
 
 
@@ -434,3 +439,134 @@ def test_rejects_bad_group_specs() -> None:
         KVCacheManager([KVGroupSpec("full", 8, 4, None), KVGroupSpec("sliding", 8, 8, 16)])
     with pytest.raises(ValueError):
         KVCacheManager([KVGroupSpec("full", 8, 4, None), KVGroupSpec("full", 8, 4, None)])
+
+
+# ------------------------------------------------------------ partial blocks
+
+
+def test_prefix_keys_extend_the_block_hash_chain() -> None:
+    parent = hash_block_tokens(None, [1, 2, 3, 4])
+    keys = prefix_keys(parent, [5, 6, 7, 8])
+    assert keys == [hash_block_tokens(parent, [5, 6, 7, 8][:j]) for j in range(1, 5)]
+    assert keys[-1] == hash_block_tokens(parent, [5, 6, 7, 8])  # the whole block's own hash
+    assert prefix_keys(None, [5])[0] != prefix_keys(parent, [5])[0]  # the parent counts
+
+
+def test_partial_hit_copies_the_leading_slots_of_a_published_block() -> None:
+    m = full_only(16, partial=True)
+    a = toks(10)
+    assert m.allocate_slots("a", a, 0, 10)
+    assert m.block_table("a", "full") == [1, 2, 3]
+    m.commit_computed("a", a, 10)
+    m.free("a", a)  # tail block 3 (2 slots) offered too; released tail first
+    assert m.pool("full").evictable_ids() == [3, 2, 1]
+    b = a[:6] + [999, 998]  # one whole block, then 2 of block 2's 4 tokens
+    assert m.find_cached_prefix(b) == 6
+    assert m.allocate_slots("b", b, 6, 2)
+    assert m.block_table("b", "full") == [1, 4]  # block 1 shared, a fresh block for the rest
+    assert refs(m, "full", [1, 2, 4]) == [1, 1, 1]  # the copy's source is held ...
+    assert m.take_block_copies() == [BlockCopy("full", 2, 4, 2)]
+    assert refs(m, "full", [1, 2, 4]) == [1, 0, 1]  # ... until the copy is taken
+    assert m.pool("full").evictable_ids() == [3, 2]
+    assert m.take_block_copies() == []
+    assert m.stats.hits == 6
+
+
+def test_partial_hit_from_a_freed_sequences_tail() -> None:
+    """A warmed prefix that ends inside a block: its tail slots are reused, not recomputed."""
+    m = full_only(16, partial=True)
+    prefix = toks(6)
+    warm = [*prefix, 7]  # prefilled 6 tokens, sampled one, finished
+    assert m.allocate_slots("w", warm, 0, 6)
+    m.commit_computed("w", warm, 6)
+    m.free("w", warm)
+    req = [*prefix, 500, 501, 502]
+    assert m.find_cached_prefix(req) == 6
+    assert m.allocate_slots("r", req, 6, 3)
+    assert m.take_block_copies() == [BlockCopy("full", 2, 3, 2)]
+    assert m.block_table("r", "full") == [1, 3, 4]
+    # without the tokens, free() offers nothing: the tail goes to the free list
+    m.free("r")
+    assert m.find_cached_prefix([*prefix, 500, 501, 502, 9]) == 6
+
+
+def test_partial_hit_leaves_one_token_to_compute() -> None:
+    m = full_only(16, partial=True)
+    p = toks(8)
+    run_and_free(m, "a", p)
+    assert m.find_cached_prefix(p) == 7  # 1 block + 3 of block 2's 4 slots
+    assert m.find_cached_prefix(p[:5]) == 4  # a block boundary: nothing partial left to take
+    assert m.find_cached_prefix(p[:3]) == 2  # inside the first block
+    assert m.allocate_slots("b", p[:3], 2, 1)
+    assert m.take_block_copies() == [BlockCopy("full", 1, 3, 2)]
+
+
+def test_partial_hit_needs_every_group_and_copies_in_each() -> None:
+    m = full_and_sliding(16, 8, window=8, partial=True)
+    a = toks(10)
+    run_and_free(m, "a", a)  # offers no tail: run_and_free passes no tokens to free()
+    b = a[:6] + [999, 998]
+    assert m.find_cached_prefix(b) == 6
+    assert m.allocate_slots("b", b, 6, 2)
+    assert m.take_block_copies() == [
+        BlockCopy("full", 2, 4, 2),
+        BlockCopy("sliding", 2, 4, 2),
+    ]
+    # a key missing from one group's pool caps the hit at the whole blocks
+    m.free("b", b)
+    m.pool("sliding").reset_prefix_cache()
+    assert m.find_cached_prefix(b) == 0
+
+
+def test_evicting_the_holder_of_a_key_ends_partial_hits() -> None:
+    m = full_only(6, partial=True)  # 5 usable blocks
+    a = toks(6)
+    assert m.allocate_slots("a", a, 0, 6)
+    m.commit_computed("a", a, 6)
+    m.free("a", a)  # blocks 1 (full) and 2 (tail, 2 slots) evictable
+    assert m.find_cached_prefix([*a[:5], 77]) == 5
+    assert m.allocate_slots("x", toks(12, 900), 0, 12)  # free list 3, 4, 5
+    assert m.allocate_slots("y", toks(4, 800), 0, 4)  # evicts the LRU head: block 2, the tail
+    assert m.block_table("y", "full") == [2]
+    assert m.find_cached_prefix([*a[:5], 77]) == 4  # block 1 still whole-cached
+    assert m.stats.evictions == 1
+
+
+def test_newest_block_holds_a_key_and_an_older_ones_eviction_keeps_it() -> None:
+    m = full_only(16, partial=True)
+    first, second = [*toks(6), 1], [*toks(6), 2]  # same 6 computed tokens, both finish
+    for sid, ids in (("p", first), ("q", second)):
+        assert m.allocate_slots(sid, ids, 0, 6)
+        m.commit_computed(sid, ids, 6)
+    m.free("p", first)
+    m.free("q", second)  # q's tail (block 4) now holds the keys of the first 2 slots
+    key = prefix_keys(hash_block_tokens(None, toks(4)), toks(2, 104))[-1]
+    pool = m.pool("full")
+    assert pool.get_prefix_block(key) is pool.blocks[4]
+    pool.evict()  # LRU head: p's tail, block 2 (tails are released first)
+    assert pool.get_prefix_block(key) is pool.blocks[4]
+
+
+def test_partial_hits_are_off_on_request() -> None:
+    m = full_only(16, partial=False)
+    a = toks(10)
+    assert m.allocate_slots("a", a, 0, 10)
+    m.commit_computed("a", a, 10)
+    m.free("a", a)
+    assert m.pool("full").num_prefix_keys() == 0
+    assert m.find_cached_prefix(a[:6] + [1, 2]) == 4
+    with pytest.raises(ValueError, match="not a cached prefix"):
+        m.allocate_slots("b", a[:6] + [1, 2], 6, 2)
+
+
+def test_reset_forgets_partial_keys() -> None:
+    m = full_only(16, partial=True)
+    a = toks(10)
+    assert m.allocate_slots("a", a, 0, 10)
+    m.commit_computed("a", a, 10)
+    m.free("a", a)
+    assert m.pool("full").num_prefix_keys() > 0
+    m.reset_prefix_cache()
+    assert m.pool("full").num_prefix_keys() == 0
+    assert m.find_cached_prefix(a[:6] + [1, 2]) == 0
+    assert m.num_free_blocks("full") == 15

@@ -151,3 +151,18 @@ def test_max_num_seqs_caps_batch():
     out, _ = run_step(s)
     assert [c.seq.request_id for c in out.chunks] == ["a", "b"]
     assert s.num_waiting == 1
+
+
+def test_partial_prefix_hit_schedules_only_the_rest_and_a_block_copy():
+    s = make(budget=16)
+    s.add_request(req("a", 6, max_new=1))  # prefills 6, samples one: 1 block + a 2-slot tail
+    out, done = run_step(s)
+    assert plan(out) == [("a", 0, 6)] and out.block_copies == []
+    assert [d.request_id for d in done] == ["a"]  # finished: its tail is offered
+    s.add_request(req("b", 9))  # the same first 6 tokens, then 3 of its own
+    out, _ = run_step(s)
+    assert plan(out) == [("b", 6, 3)]
+    (copy,) = out.block_copies
+    assert (copy.group, copy.src, copy.num_slots) == ("full", 2, 2)
+    assert copy.dst == s.kv.block_table("b", "full")[1]
+    assert out.chunks[0].seq.num_cached == 6

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.greedy_head import greedy_tokens
 from workers.engine import hugepages
 from workers.engine.compiled import CompiledDecode
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
@@ -43,7 +44,7 @@ from workers.engine.scheduler import (
     SchedulerOutput,
     SequenceState,
 )
-from workers.engine.swaps import convert_for_runtime, fuse_qkv, pack_linears
+from workers.engine.swaps import convert_for_runtime, fuse_qkv, pack_linears, screen_lm_head
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
     FinishReason,
@@ -70,6 +71,9 @@ class EngineConfig:
     compile_decode: bool = False
     compile_max_batch: int = 8
     pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
+    # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
+    # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
+    screen_lm_head: bool = True
     fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
@@ -77,6 +81,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (decode + prefill chunks)
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    share_partial_blocks: bool = True  # prefix hits may end inside a block (copied slots)
     max_new_tokens: int = 256  # default cap of a translation's output
     warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
     model_version: str = ""  # the A/B arm name on replies; default: model name
@@ -92,6 +97,7 @@ class EngineStats:
     last_batch_size: int = 0
     step_seconds: float = 0.0  # total time inside model steps
     compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
+    screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
 
 
@@ -109,6 +115,8 @@ class Engine:
         if self.config.fuse_qkv:
             fuse_qkv(self.model)  # Llama: one q/k/v projection (in place, idempotent)
         convert_for_runtime(self.model, self.config.quantize)  # int8 weights (idempotent)
+        # before packing: the screen copies the float32 head (None unless CPU float32)
+        self.lm_screen = screen_lm_head(self.model) if self.config.screen_lm_head else None
         if self.config.pack_weights:
             pack_linears(self.model)  # no-op unless float32 nn.Linear on CPU
         self.tokenizer = loaded.tokenizer
@@ -121,7 +129,11 @@ class Engine:
             KVGroupSpec(g, num_blocks, bs, mc.sliding_window if g == "sliding" else None)
             for g in mc.kv_groups
         ]
-        self.kv = KVCacheManager(groups, enable_prefix_caching=self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            groups,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            share_partial_blocks=self.config.share_partial_blocks,
+        )
         self.model.allocate_kv_cache(  # CPU pools on huge pages (workers/engine/hugepages.py)
             {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device, hugepages.zeros
         )
@@ -326,6 +338,10 @@ class Engine:
         return [self._finish(seq) for seq in finished]
 
     def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+        if out.block_copies:  # partial prefix hits: their matched slots, before any write
+            self.model.copy_kv_blocks(
+                [(c.group, c.src, c.dst, c.num_slots) for c in out.block_copies]
+            )
         compiled = self.compiled
         decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
         if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
@@ -356,8 +372,18 @@ class Engine:
         if not sampling:
             return {}
         ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, ends))  # [N, V] float32
-        return self._sample([out.chunks[i].seq for i in sampling], logits)
+        rows = hidden.index_select(0, ends)  # [N, D]
+        seqs = [out.chunks[i].seq for i in sampling]
+        if self.lm_screen is not None and all(s.request.params.temperature <= 0 for s in seqs):
+            self.stats.screened_steps += 1  # greedy only: no logits needed
+            tokens = greedy_tokens(
+                rows,
+                self.model.lm_head.weight,
+                self.lm_screen,
+                self.model.config.final_logit_softcapping,
+            ).tolist()
+            return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+        return self._sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
 
     def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
         """A decode-only step through the compiled graph (one new token per sequence)."""

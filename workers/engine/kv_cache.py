@@ -26,6 +26,16 @@ Design
   a lookup can not be fooled by a weak-hash collision. If the hash is already published by
   another block the first one stays published; the duplicate stays private to its sequence and
   goes straight to the free list when released.
+* Partial blocks (`share_partial_blocks`, on by default): a prompt rarely ends its shared part
+  on a block boundary (a language's few-shot prefix of 264 tokens leaves 8 in a 16-token
+  block), so after the whole-block hit a lookup also tries the leading slots of the next
+  block. Every published full block and the last, partly filled block of every freed sequence
+  offer their first `j` slots under `hash_block_tokens(parent, first j tokens)` (the
+  `prefix_keys`; the newest block offering a key holds it). A hit of `j` slots gets a fresh
+  block plus a `BlockCopy` of those slots, which the engine runs before the step's forward
+  (`take_block_copies`; the source is referenced until then), so the sequence computes only
+  what follows. K/V at a position depends only on the tokens up to it, so a copy is exact.
+  An offered tail block waits in the evictable LRU like a cached full block.
 * `free()` releases a sequence's blocks tail first, so in the LRU the tail of a chain is evicted
   before its head (a head is shared by more prompts than its tail). Sliding blocks that leave
   the window are released as the sequence advances, so a decoding sequence never holds more than
@@ -66,6 +76,16 @@ def hash_block_tokens(parent: BlockHash | None, tokens: Sequence[int]) -> BlockH
     return h.digest()
 
 
+def prefix_keys(parent: BlockHash | None, tokens: Sequence[int]) -> list[BlockHash]:
+    """Keys of a block's leading slots: key `j - 1` is `hash_block_tokens(parent, tokens[:j])`."""
+    h = hashlib.sha256(_ROOT_HASH if parent is None else parent)
+    keys = []
+    for token in tokens:
+        h.update(array("q", (token,)).tobytes())
+        keys.append(h.copy().digest())
+    return keys
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -78,11 +98,29 @@ class KVGroupSpec:
     sliding_window: int | None  # None = keeps every token
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy slots `[0, num_slots)` of block `src` into block `dst` in every layer of `group`
+    before the step's forward: a partially matched prefix block (see KVCacheManager)."""
+
+    group: str
+    src: int
+    dst: int
+    num_slots: int
+
+
 @dataclass(slots=True)
 class KVBlock:
     block_id: int  # index into the group's k_cache/v_cache
     ref_cnt: int = 0  # sequences holding it; 0 = on the free list or in the evictable LRU
     block_hash: BlockHash | None = None  # set while published in the pool's hash map
+    # keys under which its leading slots are offered for partial reuse (see BlockPool)
+    prefix_keys: tuple[BlockHash, ...] = ()
+
+    @property
+    def reusable(self) -> bool:
+        """Holds K/V that a lookup can find: kept in the evictable LRU once unreferenced."""
+        return self.block_hash is not None or bool(self.prefix_keys)
 
 
 @dataclass(slots=True)
@@ -113,6 +151,7 @@ class BlockPool:
         self._free: deque[KVBlock] = deque(self.blocks[1:])  # ref 0, no hash; FIFO
         self._evictable: OrderedDict[int, KVBlock] = OrderedDict()  # ref 0, hashed; LRU first
         self._cached: dict[BlockHash, KVBlock] = {}  # published full blocks
+        self._prefixes: dict[BlockHash, KVBlock] = {}  # leading slots of blocks, newest wins
 
     @property
     def num_usable_blocks(self) -> int:
@@ -127,6 +166,9 @@ class BlockPool:
 
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def num_prefix_keys(self) -> int:
+        return len(self._prefixes)
 
     def evictable_ids(self) -> list[int]:
         """Evictable block ids, next to be evicted first (for tests and debugging)."""
@@ -149,7 +191,7 @@ class BlockPool:
         """Take a reference on cached blocks (prefix hit); an unreferenced one leaves the LRU."""
         for block in blocks:
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if not block.reusable:
                     raise ValueError(f"block {block.block_id} is on the free list, not cached")
                 del self._evictable[block.block_id]
             block.ref_cnt += 1
@@ -161,10 +203,10 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self._free.append(block)
-                else:
+                if block.reusable:
                     self._evictable[block.block_id] = block
+                else:
+                    self._free.append(block)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -179,23 +221,43 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def get_prefix_block(self, key: BlockHash) -> KVBlock | None:
+        return self._prefixes.get(key)
+
+    def offer_prefixes(self, block: KVBlock, keys: Sequence[BlockHash]) -> None:
+        """Offer the block's leading slots under `keys` (key j-1 covers its first j tokens).
+        Only for slots whose K/V is final: a published full block, or a freed sequence's tail."""
+        for key in keys:
+            self._prefixes[key] = block
+        block.prefix_keys = (*block.prefix_keys, *keys)
+
+    def _forget(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        for key in block.prefix_keys:
+            if self._prefixes.get(key) is block:  # a newer block may hold the key now
+                del self._prefixes[key]
+        block.prefix_keys = ()
+
     def evict(self) -> KVBlock | None:
         """Evict the least recently released cached block onto the free list; None if none."""
         if not self._evictable:
             return None
         _, block = self._evictable.popitem(last=False)
-        assert block.block_hash is not None
-        del self._cached[block.block_hash]
-        block.block_hash = None
+        assert block.reusable
+        self._forget(block)
         self._free.append(block)
         self.stats.evictions += 1
         return block
 
     def reset_prefix_cache(self) -> None:
         """Forget every published hash; unreferenced cached blocks go back to the free list."""
-        for block in self._cached.values():
+        for block in [*self._cached.values(), *self._prefixes.values()]:
             block.block_hash = None
+            block.prefix_keys = ()
         self._cached.clear()
+        self._prefixes.clear()
         self._free.extend(self._evictable.values())
         self._evictable.clear()
 
@@ -222,12 +284,18 @@ class _Plan:
     num_null: int  # new table entries that are already out of the window
     num_alloc: int  # fresh blocks to take from the pool
     touched: list[KVBlock]  # first allocation: cached prefix blocks (null where out of window)
+    copy_src: KVBlock | None = None  # first allocation: the partially matched block
 
 
 class KVCacheManager:
     """Block tables of all running sequences over one pool per KV group."""
 
-    def __init__(self, groups: Sequence[KVGroupSpec], enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        groups: Sequence[KVGroupSpec],
+        enable_prefix_caching: bool = True,
+        share_partial_blocks: bool = True,
+    ) -> None:
         if not groups:
             raise ValueError("need at least one KV group")
         sizes = {g.block_size for g in groups}
@@ -241,7 +309,11 @@ class KVCacheManager:
                 raise ValueError(f"group {g.name}: sliding_window must be >= 1")
         self.block_size: int = groups[0].block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_partial_blocks = share_partial_blocks
         self.stats = PrefixCacheStats()
+        # partial hits of this step: copies to run, and the sources held until they run
+        self._copies: list[BlockCopy] = []
+        self._copy_refs: list[tuple[BlockPool, KVBlock]] = []
         self._groups = [_Group(spec, BlockPool(spec.num_blocks, self.stats)) for spec in groups]
         self._by_name = {g.spec.name: g for g in self._groups}
         self._seqs: dict[str, _SeqState] = {}
@@ -275,7 +347,8 @@ class KVCacheManager:
             hashes.append(parent)
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
-        """Longest cached prefix in tokens (a multiple of block_size, at most len - 1).
+        """Longest cached prefix in tokens (at most len - 1): whole blocks, then, with
+        `share_partial_blocks`, the leading slots of one more block.
 
         Full groups need every block of the prefix; sliding groups only the blocks covering the
         positions `[n - window + 1, n)` the next token attends to. Pure lookup.
@@ -304,9 +377,22 @@ class KVCacheManager:
                 k = i + 1
                 if run < k - self._first_live_block(g, k * bs):
                     valid[k] = False
-        for k in range(len(hashes), 0, -1):
-            if valid[k]:
-                return k * bs
+        k = next((k for k in range(len(hashes), 0, -1) if valid[k]), 0)
+        return k * bs + self._partial_hit(token_ids, hashes[k - 1] if k else None, k)
+
+    def _partial_hit(self, token_ids: Sequence[int], parent: BlockHash | None, k: int) -> int:
+        """How many leading tokens of block `k` (after `k` whole cached blocks) some cached
+        block of every group holds under the same parent; 0 to block_size - 1."""
+        if not self.share_partial_blocks:
+            return 0
+        bs = self.block_size
+        rem = min(bs - 1, len(token_ids) - 1 - k * bs)
+        if rem <= 0:
+            return 0
+        keys = prefix_keys(parent, token_ids[k * bs : k * bs + rem])
+        for j in range(rem, 0, -1):
+            if all(g.pool.get_prefix_block(keys[j - 1]) is not None for g in self._groups):
+                return j
         return 0
 
     # --------------------------------------------------------------- allocation
@@ -316,10 +402,11 @@ class KVCacheManager:
     ) -> bool:
         """Give `seq_id` blocks for positions `[0, num_computed + num_new)`; all or nothing.
 
-        The first call may start from a cached prefix (`num_computed` > 0, a multiple of
-        block_size whose blocks are all cached, e.g. `find_cached_prefix(token_ids)`). Sliding
-        groups release blocks that left the window of position `num_computed`. Returns False,
-        changing nothing, if some pool cannot supply the blocks.
+        The first call may start from a cached prefix (`num_computed` > 0, as found by
+        `find_cached_prefix(token_ids)`); a prefix that ends inside a block gets a fresh block
+        and a `BlockCopy` of the matched slots (`take_block_copies`). Sliding groups release
+        blocks that left the window of position `num_computed`. Returns False, changing
+        nothing, if some pool cannot supply the blocks.
         """
         if num_computed < 0 or num_new < 0:
             raise ValueError(f"num_computed={num_computed}, num_new={num_new} must be >= 0")
@@ -360,18 +447,24 @@ class KVCacheManager:
         self, seq_id: str, token_ids: Sequence[int], num_computed: int, num_new: int
     ) -> bool:
         bs = self.block_size
+        num_hit, num_partial = divmod(num_computed, bs)
         if num_computed:
             if not self.enable_prefix_caching:
                 raise ValueError("num_computed > 0 on a first allocation needs prefix caching")
-            if num_computed % bs or num_computed >= len(token_ids):
+            if (num_partial and not self.share_partial_blocks) or num_computed >= len(token_ids):
                 raise ValueError(
                     f"num_computed={num_computed} is not a cached prefix of "
-                    f"{len(token_ids)} tokens (multiple of {bs}, < len)"
+                    f"{len(token_ids)} tokens (< len; a multiple of {bs} unless partial blocks "
+                    "are shared)"
                 )
-        num_hit = num_computed // bs
         num_total_blocks = _cdiv(num_computed + num_new, bs)
         hashes: list[BlockHash] = []
         self._extend_hashes(hashes, token_ids, num_hit)
+        partial_key = (
+            prefix_keys(hashes[-1] if hashes else None, token_ids[num_hit * bs : num_computed])[-1]
+            if num_partial
+            else None
+        )
         plans: list[_Plan] = []
         for g in self._groups:
             live = self._first_live_block(g, num_computed)
@@ -384,20 +477,36 @@ class KVCacheManager:
                         f"{g.spec.name!r}; use find_cached_prefix()"
                     )
                 touched.append(block)
+            src = None
+            if partial_key is not None:
+                src = g.pool.get_prefix_block(partial_key)
+                if src is None:
+                    raise ValueError(
+                        f"num_computed={num_computed}: partial block not cached in group "
+                        f"{g.spec.name!r}; use find_cached_prefix()"
+                    )
             num_alloc = num_total_blocks - num_hit
             # Unreferenced cached blocks leave the evictable LRU, so they use up free capacity.
-            from_lru = sum(1 for b in touched if b.ref_cnt == 0 and b.block_id != NULL_BLOCK_ID)
+            held = [b for b in (*touched, src) if b is not None and b.block_id != NULL_BLOCK_ID]
+            from_lru = sum(1 for b in held if b.ref_cnt == 0)
             if num_alloc + from_lru > g.pool.num_free_blocks():
                 return False
-            plans.append(_Plan(g, [], 0, num_alloc, touched))
+            plans.append(_Plan(g, [], 0, num_alloc, touched, src))
         seq = _SeqState(tables={}, num_dropped={}, hashes=hashes, num_published=num_hit)
         for plan in plans:
             pool = plan.group.pool
-            # Touch before taking new blocks, so eviction can not take the blocks we hit.
+            # Touch before taking new blocks, so eviction can not take the blocks we hit; a
+            # partial match's source is held until its copy is taken (take_block_copies).
             pool.touch(b for b in plan.touched if b.block_id != NULL_BLOCK_ID)
+            if plan.copy_src is not None:
+                pool.touch([plan.copy_src])
+                self._copy_refs.append((pool, plan.copy_src))
             name = plan.group.spec.name
             seq.tables[name] = plan.touched + pool.get_new_blocks(plan.num_alloc)
             seq.num_dropped[name] = min(self._first_live_block(plan.group, num_computed), num_hit)
+            if plan.copy_src is not None:
+                dst = seq.tables[name][num_hit].block_id
+                self._copies.append(BlockCopy(name, plan.copy_src.block_id, dst, num_partial))
         seq.num_computed = num_computed
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
@@ -421,21 +530,59 @@ class KVCacheManager:
             if num_full > len(seq.tables[g.spec.name]):
                 raise ValueError(f"num_computed={num_computed} beyond the allocated blocks")
         self._extend_hashes(seq.hashes, token_ids, num_full)
-        for g in self._groups:
-            table = seq.tables[g.spec.name]
-            for i in range(seq.num_published, num_full):
-                if table[i].block_id != NULL_BLOCK_ID:
-                    g.pool.cache_full_block(table[i], seq.hashes[i])
+        bs = self.block_size
+        for i in range(seq.num_published, num_full):
+            keys: list[BlockHash] | None = None  # the block's leading slots, for partial hits
+            for g in self._groups:
+                block = seq.tables[g.spec.name][i]
+                if block.block_id == NULL_BLOCK_ID:
+                    continue
+                published = g.pool.cache_full_block(block, seq.hashes[i])
+                if not published or not self.share_partial_blocks or block.prefix_keys:
+                    continue
+                if keys is None:
+                    parent = seq.hashes[i - 1] if i else None
+                    keys = prefix_keys(parent, token_ids[i * bs : (i + 1) * bs - 1])
+                g.pool.offer_prefixes(block, keys)
         seq.num_published = num_full
 
-    def free(self, seq_id: str) -> None:
-        """Release all of the sequence's blocks, tail first. Unknown ids are ignored."""
+    def free(self, seq_id: str, token_ids: Sequence[int] | None = None) -> None:
+        """Release all of the sequence's blocks, tail first. Unknown ids are ignored.
+
+        Given the sequence's `token_ids`, the computed slots of its last, partly filled block
+        are offered for partial prefix hits (the block then waits in the evictable LRU)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if token_ids is not None and self.enable_prefix_caching and self.share_partial_blocks:
+            self._offer_tail(seq, token_ids)
         for g in self._groups:
             table = seq.tables[g.spec.name]
             g.pool.free_blocks(b for b in reversed(table) if b.block_id != NULL_BLOCK_ID)
+
+    def _offer_tail(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
+        i, r = divmod(min(seq.num_computed, len(token_ids)), self.block_size)
+        if r == 0:
+            return
+        self._extend_hashes(seq.hashes, token_ids, i)
+        keys: list[BlockHash] | None = None
+        for g in self._groups:
+            table = seq.tables[g.spec.name]
+            if i >= len(table) or table[i].block_id == NULL_BLOCK_ID or table[i].reusable:
+                continue
+            if keys is None:
+                parent = seq.hashes[i - 1] if i else None
+                keys = prefix_keys(parent, token_ids[i * self.block_size :][:r])
+            g.pool.offer_prefixes(table[i], keys)
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """The partial-hit copies of the allocations since the last call, in order; their
+        sources are released, so run the copies before the next allocation."""
+        copies, self._copies = self._copies, []
+        for pool, block in self._copy_refs:
+            pool.free_blocks([block])
+        self._copy_refs = []
+        return copies
 
     def reset_prefix_cache(self) -> None:
         """Forget all published prefixes (e.g. after weights change). Running sequences keep

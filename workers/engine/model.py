@@ -243,6 +243,18 @@ class Transformer(nn.Module):
             block.attn.k_cache = zeros(shape, dtype=dtype, device=device)
             block.attn.v_cache = zeros(shape, dtype=dtype, device=device)
 
+    def copy_kv_blocks(self, copies: list[tuple[str, int, int, int]]) -> None:
+        """(group, src, dst, n): copy slots [0, n) of block src into block dst in every layer of
+        the group (a prefix hit that ends inside a block, see workers/engine/kv_cache.py)."""
+        for layer in self.layers:
+            block = cast(Block, layer)
+            k_cache, v_cache = block.attn.k_cache, block.attn.v_cache
+            assert k_cache is not None and v_cache is not None, "allocate_kv_cache() first"
+            for group, src, dst, n in copies:
+                if group == block.layer_type:
+                    k_cache[dst, :n] = k_cache[src, :n]  # [n, KVH, D]
+                    v_cache[dst, :n] = v_cache[src, :n]
+
     def free_kv_cache(self) -> None:
         for layer in self.layers:
             block = cast(Block, layer)

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from workers.engine.kv_cache import KVCacheManager
+from workers.engine.kv_cache import BlockCopy, KVCacheManager
 from workers.engine.types import FinishReason, GenerationRequest, RequestQueue
 
 
@@ -71,6 +71,8 @@ class SchedulerOutput:
     num_batched_tokens: int  # sum of chunk sizes
     finished: list[SequenceState]  # finished without a model step (expired, rejected, cancelled)
     preempted: list[str]  # request ids preempted this step
+    # partial prefix hits: K/V slots to copy between blocks before the forward (kv_cache.py)
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +175,8 @@ class Scheduler:
                 budget -= n
 
         num_tokens = sum(c.num_tokens for c in chunks)
-        return SchedulerOutput(chunks, num_tokens, finished, preempted)
+        copies = self.kv.take_block_copies()
+        return SchedulerOutput(chunks, num_tokens, finished, preempted, copies)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, int], stop_check: StopCheck
@@ -204,7 +207,7 @@ class Scheduler:
         if done_ids:
             self.running = [s for s in self.running if s.request_id not in done_ids]
             for seq in finished:
-                self.kv.free(seq.request_id)
+                self.kv.free(seq.request_id, seq.token_ids)
         return finished
 
     # -- helpers --------------------------------------------------------------------------
@@ -251,7 +254,7 @@ class Scheduler:
         self.preempted.appendleft(seq)
 
     def _preempt(self, seq: SequenceState) -> None:
-        self.kv.free(seq.request_id)
+        self.kv.free(seq.request_id, seq.token_ids)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.preempted.appendleft(seq)
@@ -265,7 +268,7 @@ class Scheduler:
             preempted = next((s for s in self.preempted if s.request_id == rid), None)
             if running is not None:
                 self.running.remove(running)
-                self.kv.free(rid)
+                self.kv.free(rid, running.token_ids)
                 seq = running
             elif preempted is not None:
                 self.preempted.remove(preempted)

@@ -2,13 +2,18 @@
 
 - `pack_linears(model)`: on CPU in float32, every `nn.Linear` becomes `MKLPackedLinear`, whose
   weight is pre-packed once for MKL's packed GEMM (`cblas_sgemm_pack`, the op inductor uses
-  when it freezes a CPU graph). The small-M GEMMs of decode skip MKL's per-call packing of the
-  weight: about 30% less time per projection at batch 32, and bit-identical results to
-  `F.linear` (checked in tests/engine/test_swaps.py), so greedy parity is unaffected. Costs
-  about 3x the linear weights' memory, so huge matrices (a 262k-vocab LM head) are left alone.
+  when it freezes a CPU graph). The small-M GEMMs of decode and of short prefill chunks skip
+  MKL's per-call packing of the weight: about 30% less time per projection at batch 32 and
+  2-4x less at 4-24 rows. Results equal `F.linear`'s up to float32 rounding (bit-identical
+  under 4 rows; tests/engine/test_swaps.py). Costs about 3x the linear weights' memory, so
+  huge matrices (a 262k-vocab LM head) are left alone.
 - `fuse_qkv(model)`: attention without QK-norm (Llama) gets one q/k/v projection and RoPE over
   q and k heads at once (~7 fewer ops per layer, bit-identical). SmolLM2 decode step: B=1
   37.3 -> 35.4 ms, B=32 (prefix shared) 94 -> 92 ms.
+- `screen_lm_head(model)`: on CPU in float32, an int8 copy of the LM head with the constants of
+  its error bound (`kernels.greedy_head.Int8Screen`), with which the engine finds greedy tokens
+  as the float32 head would, reading a quarter of the bytes (Gemma 3's 262k-row head: one row
+  23 -> 7 ms). The model itself is unchanged; sampled rows still get the full logits.
 - `convert_for_runtime(model, "int8")`: every `nn.Linear` (attention and MLP projections and
   the LM head) becomes `WeightOnlyInt8Linear`: int8 weights with one float scale per output
   channel (symmetric, absmax / 127); everything else keeps the model's dtype.
@@ -26,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels import cpu_ops
+from kernels.greedy_head import Int8Screen
 from kernels.int8_linear import int8_linear
 from workers.engine.hugepages import to_huge_pages
 
@@ -64,10 +70,23 @@ class WeightOnlyInt8Linear(nn.Module):
 
 
 class MKLPackedLinear(nn.Module):
-    """`F.linear` with the weight pre-packed for MKL (float32, CPU)."""
+    """`F.linear` with the weight pre-packed for MKL (float32, CPU).
+
+    torch's `mkl::_mkl_linear(x, packed, weight, bias, batch_size)` runs MKL's packed GEMM when
+    `x` has exactly `batch_size` rows and plain `F.linear` otherwise. The packed buffer does not
+    depend on that size (MKL packs the weight by its N and K: the same bytes for hints 1 to 64),
+    so passing each call's own row count runs the packed GEMM at every M: on this CPU 2-4x
+    faster than the plain GEMM from 4 to 48 rows (Gemma's MLP down projection at 16 rows: 650
+    -> 170 us), on par above. Under 4 rows the plain GEMM is as fast, so it runs there. Since
+    MKL documents the packed buffer for the packing size only, every layer checks the other
+    sizes once at construction against `F.linear` (`any_rows`) and keeps to `batch_hint` rows
+    if they differ beyond float32 rounding.
+    """
 
     weight: Tensor
     packed: Tensor
+    MIN_PACKED_ROWS = 4
+    PROBE_ROWS = (4, 7, 16, 33)
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 32) -> None:
         super().__init__()
@@ -77,13 +96,27 @@ class MKLPackedLinear(nn.Module):
         w = linear.weight.detach()
         self.register_buffer("weight", w)
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w, batch_hint))
+        self.any_rows: bool = self._packed_matches_plain()
+
+    def _packed_matches_plain(self) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        for m in self.PROBE_ROWS:
+            x = torch.randn(m, self.weight.shape[1], generator=gen)
+            got = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, m)
+            want = torch.nn.functional.linear(x, self.weight)
+            scale = float(torch.nn.functional.linear(x.abs(), self.weight.abs()).max())
+            if not torch.allclose(got, want, rtol=0.0, atol=1e-5 * max(scale, 1e-30)):
+                return False
+        return True
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # inductor packs the weight its own way
             return torch.nn.functional.linear(x, self.weight)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, K]
-        y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, self.batch_hint)
+        m = x2.shape[0]
+        rows = m if self.any_rows and m >= self.MIN_PACKED_ROWS else self.batch_hint
+        y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, rows)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -155,3 +188,19 @@ def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
     for m, w in zip(swapped, to_huge_pages([m.weight for m in swapped]), strict=True):
         m.weight = w  # the int8 weights in one buffer on huge pages (CPU; else unchanged)
     return model
+
+
+def screen_lm_head(model: nn.Module) -> Int8Screen | None:
+    """The LM head's int8 screen (int8 rows on huge pages), or None where it does not apply:
+    a head that is not float32 on the CPU (bfloat16, GPU, already int8) or no C++ ops."""
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if (
+        weight is None
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or not cpu_ops.load()
+    ):
+        return None
+    screen = Int8Screen.build(weight)
+    (q,) = to_huge_pages([screen.q])
+    return Int8Screen(q, screen.scales, screen.act, screen.wt)
