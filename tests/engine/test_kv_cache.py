@@ -45,11 +45,14 @@ def refs(m: KVCacheManager, group: str, ids: list[int]) -> list[int]:
     return [m.pool(group).blocks[i].ref_cnt for i in ids]
 
 
-def run_and_free(m: KVCacheManager, seq_id: str, tokens: list[int]) -> None:
-    """Prefill `tokens` in one step, publish its full blocks, then finish it."""
+def run_and_free(
+    m: KVCacheManager, seq_id: str, tokens: list[int], offer_tail: bool = False
+) -> None:
+    """Prefill `tokens` in one step, publish its full blocks, then finish it (`offer_tail`:
+    passing its tokens to `free`, which offers its partly filled last block)."""
     assert m.allocate_slots(seq_id, tokens, 0, len(tokens))
     m.commit_computed(seq_id, tokens, len(tokens))
-    m.free(seq_id)
+    m.free(seq_id, tokens if offer_tail else None)
 
 
 # ---------------------------------------------------------------- allocation
@@ -550,9 +553,7 @@ def test_newest_block_holds_a_key_and_an_older_ones_eviction_keeps_it() -> None:
 def test_partial_hits_are_off_on_request() -> None:
     m = full_only(16, partial=False)
     a = toks(10)
-    assert m.allocate_slots("a", a, 0, 10)
-    m.commit_computed("a", a, 10)
-    m.free("a", a)
+    run_and_free(m, "a", a, offer_tail=True)
     assert m.pool("full").num_prefix_keys() == 0
     assert m.find_cached_prefix(a[:6] + [1, 2]) == 4
     with pytest.raises(ValueError, match="not a cached prefix"):
@@ -562,9 +563,7 @@ def test_partial_hits_are_off_on_request() -> None:
 def test_reset_forgets_partial_keys() -> None:
     m = full_only(16, partial=True)
     a = toks(10)
-    assert m.allocate_slots("a", a, 0, 10)
-    m.commit_computed("a", a, 10)
-    m.free("a", a)
+    run_and_free(m, "a", a, offer_tail=True)
     assert m.pool("full").num_prefix_keys() > 0
     m.reset_prefix_cache()
     assert m.pool("full").num_prefix_keys() == 0

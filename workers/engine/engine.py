@@ -4,8 +4,10 @@
 scheduler, the KV cache manager and the model, so none of them needs a lock. Each step:
 
     out = scheduler.schedule()                       # which tokens of which sequences
+    model.copy_kv_blocks(out.block_copies)           # prefix hits that end inside a block
     hidden = model(input_ids, positions, metadata)   # one forward over the flattened batch
-    logits = model.compute_logits(hidden[last token of each sampling sequence])
+    tokens = greedy_tokens(hidden[last token of each sampling sequence], ...)  # all greedy:
+    # the screened int8 LM head (kernels/greedy_head.py); else full logits and the sampler
     scheduler.update_from_output(out, sampled, stop) # advance, finish, free blocks
 
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
