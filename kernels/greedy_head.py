@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import cpu_ops
-from kernels.int8_linear import int8_linear
+from kernels.int8_linear import int8_linear, quantize_int8
 
 _ACT_STEPS = 32767.0  # the VNNI path's activation fixed point: a_r = max|x_r| / 32767
 _ACT_ERR = 0.51  # max |x - a_r * round(x / a_r)| in steps, float rounding of x / a_r included
@@ -70,11 +70,11 @@ class Int8Screen:
         up = 1.0 + 1e-4
         for lo in range(0, v, chunk):
             w = weight[lo : lo + chunk].detach().float()
-            s = w.abs().amax(dim=1).clamp(min=1e-30) / 127.0  # [c]
-            qf = torch.round(w / s[:, None]).clamp(-127, 127)  # [c, K]
+            qi, s = quantize_int8(w)  # [c, K] int8, [c]
+            qf = qi.float()
             w_norm = w.norm(dim=1) * up
             err = (w - qf * s[:, None]).norm(dim=1) * up + 2.0**-22 * w_norm  # ||w_n - s_n q_n||
-            q[lo : lo + chunk] = qf.to(torch.int8)
+            q[lo : lo + chunk] = qi
             scales[lo : lo + chunk] = s
             act[lo : lo + chunk] = _ACT_ERR * s * qf.abs().sum(dim=1) * up
             wt[lo : lo + chunk] = (err + gamma * (w_norm + err)) * up

@@ -29,6 +29,14 @@ from torch import Tensor
 from kernels import cpu_ops
 
 
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N] float32), symmetric per output channel."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [N]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
+
+
 def int8_linear_reference(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:
     """x [..., K] float, w [N, K] int8, scales [N] -> [..., N] in x's dtype."""
     return torch.nn.functional.linear(x, w.to(x.dtype)) * scales.to(x.dtype)

@@ -1,4 +1,4 @@
-"""Runtime swaps: MKL-packed projections are bit-identical; int8 stays close to float32."""
+"""Runtime swaps: MKL-packed projections match F.linear; int8 stays close to float32."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.int8_linear import quantize_int8
 from workers.engine.swaps import (
     MKLPackedLinear,
     WeightOnlyInt8Linear,
@@ -13,7 +14,6 @@ from workers.engine.swaps import (
     fuse_qkv,
     mkl_packing_available,
     pack_linears,
-    quantize_int8,
 )
 
 # (M, K, N): under 4 rows the plain GEMM (bit-identical); from 4 rows the packed one at any M

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops
-from kernels.int8_linear import int8_linear, int8_linear_reference
-from workers.engine.swaps import quantize_int8
+from kernels.int8_linear import int8_linear, int8_linear_reference, quantize_int8
 
 # (M, K, N): decode shapes of SmolLM2 (fused qkv, down), tails in K and N, M past the 4-row
 # tiles, and K past one 4096-column int32 chunk of the VNNI loop

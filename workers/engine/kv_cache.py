@@ -572,7 +572,8 @@ class KVCacheManager:
                 continue
             if keys is None:
                 parent = seq.hashes[i - 1] if i else None
-                keys = prefix_keys(parent, token_ids[i * self.block_size :][:r])
+                start = i * self.block_size
+                keys = prefix_keys(parent, token_ids[start : start + r])
             g.pool.offer_prefixes(table[i], keys)
 
     def take_block_copies(self) -> list[BlockCopy]:
