@@ -9,6 +9,9 @@ original bytes.
 Timings on a reply are measured from the record's broker timestamp (what the client's clock
 and the broker share), not from when this worker happened to read it: `queue_ms` covers time
 in Kafka, in the worker and in the engine's waiting queue.
+
+An OK that finished past the request's deadline goes out as EXPIRED (`workers.deadlines`, the
+one rule the engine side applies too).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.codec import encode_dead_letter
+from workers.deadlines import expired_despite_ok
 from workers.engine.types import FinishReason, GenerationResult
 from workers.records import ConsumedRecord, InFlight
 
@@ -91,11 +95,9 @@ def engine_reply(
     # Broker timestamp -> handed to the engine -> admitted by its scheduler.
     queue_ms = max(0, inflight.submitted_ms - first.broker_ts_ms) + 1e3 * result.timings.queue_s
     error = None
-    deadline = first.request.get("deadline")
-    if status == "OK" and deadline is not None and now_ms > int(deadline):
-        # Never an OK after the deadline: the caller has given up on it by then.
-        status = "EXPIRED"
-        error = f"translated {now_ms - int(deadline)} ms after the request's deadline"
+    late_error = expired_despite_ok(first.request.get("deadline"), now_ms)
+    if status == "OK" and late_error is not None:
+        status, error = "EXPIRED", late_error  # never an OK after the deadline
     elif status != "OK":
         error = result.error or f"engine finished with {result.finish_reason.value}"
     return result_record(

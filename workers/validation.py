@@ -3,12 +3,15 @@
 Each failed check becomes a reply, not an exception: the client waiting on that request id
 hears why (REJECTED for what will never work, EXPIRED for what came too late), and the metric
 reason says which check it was. Order matters: the cheapest and most basic checks go first.
+The deadline check is `workers.deadlines`' intake rule (no time left: EXPIRED).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from workers.deadlines import ms_past_deadline_at_intake
 
 __all__ = ["Problem", "validate_request"]
 
@@ -59,13 +62,11 @@ def validate_request(
         return Problem(
             "REJECTED", "too_large", f"text is {size} bytes; the limit is {max_text_bytes}"
         )
-    deadline = request.get("deadline")
-    if deadline is not None:
-        late_ms = now_ms - int(deadline)
-        if late_ms >= 0:
-            return Problem(
-                "EXPIRED",
-                "deadline_passed",
-                f"deadline passed {late_ms} ms before the worker read the request",
-            )
+    late_ms = ms_past_deadline_at_intake(request.get("deadline"), now_ms)
+    if late_ms is not None:
+        return Problem(
+            "EXPIRED",
+            "deadline_passed",
+            f"deadline passed {late_ms} ms before the worker read the request",
+        )
     return None

@@ -7,11 +7,11 @@ Design notes
   polls for at most `poll_timeout_s`, hands records to the engine (`submit_translation` returns
   a handle at once), drains the queue the engine's done-callbacks fill, produces replies, and
   commits. A paused consumer keeps polling, so the group never times it out (PITFALLS).
-* At-least-once, answered once: a record's offset is marked done only in the delivery callback
-  of its reply (or its dead letter), and the commit is the lowest offset not yet done per
-  partition (`workers.offsets.OffsetTracker`). A reply is stored in redis under its request id
-  when it is delivered, so a redelivered request (after a crash before the commit) is answered
-  with the stored bytes instead of being translated again.
+* At-least-once, answered once: the reply path (`workers.reply_publisher.ReplyPublisher`)
+  marks a record's offset done only in the delivery callback of its reply (or its dead letter)
+  and stores a delivered reply in redis under its request id; the commit is the lowest offset
+  not yet done per partition (`workers.offsets.OffsetTracker`). A redelivered request (after a
+  crash before the commit) is answered with the stored bytes instead of being translated again.
 * Fair intake: librdkafka has no fairness across topics, so per language an
   `IntakeController` counts requests in the engine; at its high water the language's
   partitions are paused, at its low water resumed (hysteresis, since `pause()` drops the
@@ -28,8 +28,10 @@ served from `consume()` / `producer.poll()` on the poll thread.
 
 The pieces around this loop live beside it: `kafka_config` (client settings, the reply-topic
 check), `records` (what is held per record and per in-flight request), `validation` (checks
-before the engine), `replies` (building result and dead-letter records), `partitions`
-(assignment, pauses, commits).
+before the engine), `deadlines` (the request deadline on the engine's clock, the EXPIRED rule),
+`reply_publisher` (produce, store, dead letters, offsets done; it builds replies with
+`replies`), `partitions` (assignment, pauses, commits). The worker keeps the loop, intake,
+dispatch, rebalance callbacks and commits.
 """
 
 from __future__ import annotations
@@ -38,36 +40,26 @@ import contextlib
 import logging
 import math
 import queue
-import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import SchemaError, decode_request, encode_result
+from schemas.codec import SchemaError, decode_request
 from topics.catalog import DEAD_LETTERS, request_topic
+from workers.deadlines import engine_deadline
 from workers.engine.types import GenerationResult, TranslationEngine, UnsupportedLanguage
 from workers.fairness.intake import IntakeController
-from workers.kafka_config import (
-    MISSING_TOPIC_CODES,
-    ReplyTopicChecker,
-    consumer_config,
-    producer_config,
-)
+from workers.kafka_config import ReplyTopicChecker, consumer_config, producer_config
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
+from workers.process_hooks import install_stop_signals, start_metrics_server, worker_registry
 from workers.records import ConsumedRecord, InFlight
-from workers.replies import (
-    STATUS_OF,
-    broker_to_now_ms,
-    dead_letter_value,
-    engine_reply,
-    plain_reply,
-)
+from workers.replies import STATUS_OF
+from workers.reply_publisher import ReplyPublisher
 from workers.results_store import RedisResultStore, ResultStore, ResultStoreError
 from workers.settings import Settings
 from workers.validation import validate_request
@@ -99,7 +91,7 @@ class Worker:
             if store is not None
             else RedisResultStore(settings.redis_url, settings.result_ttl_s)
         )
-        self.registry = registry if registry is not None else _default_registry()
+        self.registry = registry if registry is not None else worker_registry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.init_languages(settings.languages)
         self._now_ms = clock_ms or (lambda: int(time.time() * 1000))
@@ -108,7 +100,6 @@ class Worker:
         self.topic_lang: dict[str, str] = {
             prefix + request_topic(lang): lang for lang in settings.languages
         }
-        self.dead_letter_topic = prefix + DEAD_LETTERS
         self.intake = IntakeController.from_policies(
             {k: v for k, v in settings.policies.items() if k in settings.languages},
             low_water_ratio=settings.low_water_ratio,
@@ -119,7 +110,6 @@ class Worker:
         self._producer: Any = None
         self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
         self._inflight: dict[str, InFlight] = {}
-        self._answered: dict[str, bytes] = {}  # produced, delivery pending: rid -> reply bytes
         self.partitions = PartitionState(
             self.topic_lang, self.metrics, settings.commit_every, settings.commit_interval_s
         )
@@ -128,8 +118,17 @@ class Worker:
         self._draining = False
         self._crash = False
         self._reply_topics = ReplyTopicChecker(settings.topic_check_ttl_s)
+        self.publisher = ReplyPublisher(
+            store=self.store,
+            metrics=self.metrics,
+            reply_topics=self._reply_topics,
+            dead_letter_topic=prefix + DEAD_LETTERS,
+            worker_id=settings.worker_id,
+            policies=settings.policies,
+            mark_done=self.partitions.mark_done,
+            clock_ms=self._now_ms,
+        )
         self._last_gauges = 0.0
-        self._tokens_window: deque[tuple[float, int]] = deque()
         self._stop_event = threading.Event()
         self.assigned_event = threading.Event()  # set once the first assignment arrived
         self.stopped_event = threading.Event()  # set when run() has returned
@@ -141,12 +140,13 @@ class Worker:
         shut down gracefully."""
         stop = stop_event if stop_event is not None else self._stop_event
         self._stop_event = stop
-        restore = self._install_signal_handlers(stop)
-        http_server = self._start_metrics_server()
+        restore = install_stop_signals(stop)
+        http_server = start_metrics_server(self.settings.metrics_port, self.registry)
         try:
             self.engine.start()
             self._consumer = self._consumer_factory(consumer_config(self.settings))
             self._producer = self._producer_factory(producer_config(self.settings))
+            self.publisher.attach(self._producer)
             self._consumer.subscribe(
                 list(self.topic_lang),
                 on_assign=self._on_assign,
@@ -187,36 +187,6 @@ class Worker:
         session timeout)."""
         self._crash = True
 
-    def _install_signal_handlers(self, stop: threading.Event) -> Callable[[], None]:
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-        def handler(signum: int, frame: object) -> None:
-            log.info("signal %s: stopping intake and draining", signal.Signals(signum).name)
-            stop.set()
-
-        for s in previous:
-            signal.signal(s, handler)
-
-        def restore() -> None:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
-        return restore
-
-    def _start_metrics_server(self) -> Any:
-        if self.settings.metrics_port <= 0:
-            return None
-        from prometheus_client import start_http_server
-
-        try:
-            server, _thread = start_http_server(self.settings.metrics_port, registry=self.registry)
-        except OSError as exc:
-            log.error("metrics port %d unavailable: %s", self.settings.metrics_port, exc)
-            return None
-        return server
-
     # -- the loop -----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
@@ -231,7 +201,7 @@ class Worker:
             self._drain_done()
             self._producer.poll(0)
             self._reconcile_pauses()
-            self._maybe_commit()
+            self.partitions.maybe_commit(self._consumer)
             self._update_gauges()
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
@@ -257,7 +227,7 @@ class Worker:
         left = self._producer.flush(max(1.0, end - time.monotonic()))
         if left:
             log.warning("%d messages not delivered at shutdown", left)
-        self._commit()
+        self.partitions.commit(self._consumer)
         self._consumer.close()
         self.engine.stop(drain=False, timeout=5.0)
         log.info("worker %s stopped", self.settings.worker_id)
@@ -313,7 +283,7 @@ class Worker:
                 if self._decode_and_route(rec):
                     ready.append(rec)
             except Exception as exc:
-                self._dead_letter(rec, "poison", exc)
+                self.publisher.dead_letter(rec, "poison", exc)
         if ready:
             self._dispatch(ready)
 
@@ -333,17 +303,19 @@ class Worker:
 
     def _decode_and_route(self, rec: ConsumedRecord) -> bool:
         """Decode and check the reply topic; False when the record was dead-lettered."""
+        dead_letter = self.publisher.dead_letter
         try:
             rec.request = decode_request(rec.value)
         except SchemaError as exc:
-            self._dead_letter(rec, "undecodable", exc)
+            dead_letter(rec, "undecodable", exc)
             return False
         if not rec.request_id:
-            self._dead_letter(rec, "invalid", "request_id is empty: no reply can be correlated")
+            dead_letter(rec, "invalid", "request_id is empty: no reply can be correlated")
             return False
-        problem = self._reply_topic_problem(str(rec.request.get("reply_topic", "")))
+        topic = str(rec.request.get("reply_topic", ""))
+        problem = self._reply_topics.problem(self._producer, topic)
         if problem is not None:
-            self._dead_letter(rec, "reply_topic_missing", problem)
+            dead_letter(rec, "reply_topic_missing", problem)
             return False
         return True
 
@@ -356,6 +328,7 @@ class Worker:
             log.warning("result store lookup failed (translating anyway): %s", exc)
             stored_list = [None] * len(lookup)
         stored = {r.request_id: v for r, v in zip(lookup, stored_list, strict=True) if v}
+        engine_languages = tuple(getattr(self.engine, "languages", ()) or ())
         for rec in records:
             try:
                 rid = rec.request_id
@@ -364,40 +337,34 @@ class Worker:
                     self.metrics.duplicates_total.inc()
                     inflight.records.append(rec)
                     continue
-                previous = self._answered.get(rid) or stored.get(rid)
+                previous = self.publisher.pending_reply(rid) or stored.get(rid)
                 if previous is not None:
                     self.metrics.duplicates_total.inc()
-                    self._produce_reply(rec, previous, store=False)
+                    self.publisher.produce_reply(rec, previous, store=False)
                     continue
-                problem = self._validate(rec)
+                problem = validate_request(
+                    rec.request,
+                    topic=rec.tp[0],
+                    topic_lang=rec.lang,
+                    served=self.settings.languages,
+                    engine_languages=engine_languages,
+                    max_text_bytes=self.settings.max_text_bytes,
+                    now_ms=self._now_ms(),
+                )
                 if problem is not None:
                     status, reason, error = problem
-                    self._reply_without_engine(rec, status, reason, error)
+                    self.publisher.answer_without_engine(rec, status, reason, error)
                     continue
                 self._submit(rec)
             except Exception as exc:
-                self._dead_letter(rec, "poison", exc)
-
-    def _validate(self, rec: ConsumedRecord) -> tuple[str, str, str] | None:
-        """(status, metric reason, error text) when the request cannot be translated."""
-        return validate_request(
-            rec.request,
-            topic=rec.tp[0],
-            topic_lang=rec.lang,
-            served=self.settings.languages,
-            engine_languages=tuple(getattr(self.engine, "languages", ()) or ()),
-            max_text_bytes=self.settings.max_text_bytes,
-            now_ms=self._now_ms(),
-        )
+                self.publisher.dead_letter(rec, "poison", exc)
 
     def _submit(self, rec: ConsumedRecord) -> None:
         req = rec.request
         rid = rec.request_id
-        deadline_ms = req.get("deadline")
-        deadline_mono = None
-        if deadline_ms is not None:
-            # Wall-clock epoch millis -> the engine's monotonic clock.
-            deadline_mono = time.monotonic() + (int(deadline_ms) - self._now_ms()) / 1000.0
+        deadline = engine_deadline(
+            req.get("deadline"), now_ms=self._now_ms(), now_monotonic=time.monotonic()
+        )
         policy = self.settings.policy(rec.lang)
         try:
             handle = self.engine.submit_translation(
@@ -405,14 +372,14 @@ class Worker:
                 text=str(req["text"]),
                 source_lang=str(req.get("source_lang", "")),
                 target_lang=str(req["target_lang"]),
-                deadline=deadline_mono,
+                deadline=deadline,
                 max_new_tokens=policy.max_new_tokens if policy else None,
             )
         except UnsupportedLanguage as exc:
-            self._reply_without_engine(rec, "REJECTED", "unsupported_language", str(exc))
+            self.publisher.answer_without_engine(rec, "REJECTED", "unsupported_language", str(exc))
             return
         except Exception as exc:
-            self._reply_without_engine(
+            self.publisher.answer_without_engine(
                 rec, "ERROR", "engine_error", f"engine refused the request: {exc!r}"
             )
             return
@@ -438,128 +405,12 @@ class Worker:
                 continue
             self.intake.on_done(inflight.lang)
             try:
-                self._answer_from_engine(inflight, result)
+                self.publisher.answer_from_engine(
+                    inflight, result, model_version=self.engine.model_version
+                )
             except Exception as exc:
                 for rec in inflight.records:
-                    self._dead_letter(rec, "poison", exc)
-
-    def _answer_from_engine(self, inflight: InFlight, result: GenerationResult) -> None:
-        lang = inflight.lang
-        reply = engine_reply(
-            inflight,
-            result,
-            worker_id=self.settings.worker_id,
-            model_version=self.engine.model_version,
-            now_ms=self._now_ms(),
-        )
-        status = reply["status"]
-        value = encode_result(reply)
-        m = self.metrics
-        m.requests_total.labels(lang=lang, status=status).inc()
-        if status != "OK":
-            m.errors_total.labels(lang=lang, reason=f"engine_{result.finish_reason.value}").inc()
-        m.tokens_generated_total.labels(lang=lang).inc(result.tokens_out)
-        self._tokens_window.append((time.monotonic(), result.tokens_out))
-        m.queue_seconds.labels(lang=lang).observe(max(0.0, reply["timings"]["queue_ms"]) / 1e3)
-        m.e2e_latency_seconds.labels(lang=lang).observe(reply["timings"]["total_ms"] / 1e3)
-        if status == "OK":
-            policy = self.settings.policies.get(lang)
-            slo_s = policy.slo_p99_s if policy is not None else None
-            m.observe_slo(lang, reply["timings"]["total_ms"] / 1e3, slo_s)
-        for i, rec in enumerate(inflight.records):
-            self._produce_reply(rec, value, store=(i == 0))
-
-    def _reply_without_engine(
-        self, rec: ConsumedRecord, status: str, reason: str, error: str
-    ) -> None:
-        now_ms = self._now_ms()
-        reply = plain_reply(
-            rec, worker_id=self.settings.worker_id, status=status, error=error, now_ms=now_ms
-        )
-        self.metrics.requests_total.labels(lang=rec.lang, status=status).inc()
-        self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()
-        self.metrics.e2e_latency_seconds.labels(lang=rec.lang).observe(
-            broker_to_now_ms(rec, now_ms) / 1e3
-        )
-        self._produce_reply(rec, encode_result(reply), store=True)
-
-    def _produce_reply(self, rec: ConsumedRecord, value: bytes, *, store: bool) -> None:
-        rid = rec.request_id
-        topic = str(rec.request.get("reply_topic", ""))
-        if store:
-            self._answered[rid] = value
-
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-            if store:
-                self._answered.pop(rid, None)
-            if err is None:
-                if store:
-                    try:
-                        self.store.put(rid, value)
-                    except ResultStoreError as exc:
-                        log.warning("result of %s not stored: %s", rid, exc)
-                        self.metrics.errors_total.labels(lang=rec.lang, reason="store_failed").inc()
-                self._mark_done(rec)
-                return
-            if err.code() in MISSING_TOPIC_CODES:
-                self._reply_topics.forget(topic)
-                self._dead_letter(rec, "reply_topic_missing", f"reply to {topic!r} failed: {err}")
-            else:
-                self._dead_letter(rec, "reply_undeliverable", f"reply to {topic!r} failed: {err}")
-
-        try:
-            self._produce(topic, rid.encode("utf-8"), value, on_delivery)
-        except KafkaException as exc:
-            if store:
-                self._answered.pop(rid, None)
-            self._dead_letter(rec, "reply_undeliverable", exc)
-
-    def _dead_letter(self, rec: ConsumedRecord, reason: str, exc: BaseException | str) -> None:
-        """Write the record byte for byte to the dead-letter topic; its offset is done when
-        that is delivered (or failed for good: a lost dead letter must not stall the
-        partition's commits forever, so it is logged and counted instead)."""
-        detail = exc if isinstance(exc, str) else repr(exc)
-        self.metrics.dead_letters_total.labels(reason=reason).inc()
-        log.warning(
-            "dead letter %s[%d]@%d (%s): %s", rec.tp[0], rec.tp[1], rec.offset, reason, detail
-        )
-        try:
-            value = dead_letter_value(rec, reason, detail, self._now_ms())
-
-            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-                if err is not None:
-                    log.error("dead letter for %s@%d lost: %s", rec.tp, rec.offset, err)
-                    self.metrics.errors_total.labels(
-                        lang=rec.lang, reason="dead_letter_failed"
-                    ).inc()
-                self._mark_done(rec)
-
-            self._produce(self.dead_letter_topic, rec.key, value, on_delivery)
-        except Exception:
-            log.exception("dead letter for %s@%d could not be produced", rec.tp, rec.offset)
-            self.metrics.errors_total.labels(lang=rec.lang, reason="dead_letter_failed").inc()
-            self._mark_done(rec)
-
-    def _produce(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes,
-        on_delivery: Callable[[KafkaError | None, Any], None],
-    ) -> None:
-        for _ in range(100):
-            try:
-                self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
-                return
-            except BufferError:  # local queue full: serve delivery reports, then retry
-                self._producer.poll(0.1)
-        raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, "producer queue stays full"))
-
-    def _mark_done(self, rec: ConsumedRecord) -> None:
-        self.partitions.mark_done(rec.tp, rec.offset)
-
-    def _reply_topic_problem(self, topic: str) -> str | None:
-        return self._reply_topics.problem(self._producer, topic)
+                    self.publisher.dead_letter(rec, "poison", exc)
 
     # -- intake quotas ------------------------------------------------------------------------
 
@@ -612,12 +463,6 @@ class Worker:
         except Exception:
             log.exception("on_lost failed")
 
-    def _maybe_commit(self) -> None:
-        self.partitions.maybe_commit(self._consumer)
-
-    def _commit(self) -> None:
-        self.partitions.commit(self._consumer)
-
     # -- gauges -------------------------------------------------------------------------------
 
     def _update_gauges(self) -> None:
@@ -634,11 +479,7 @@ class Worker:
             # RuntimeError: the engine thread resized a ledger dict meanwhile; next time then
             with contextlib.suppress(RuntimeError):
                 self.metrics.update_fairness(queue)
-        window_s = 5.0
-        while self._tokens_window and now - self._tokens_window[0][0] > window_s:
-            self._tokens_window.popleft()
-        tokens = sum(n for _, n in self._tokens_window)
-        self.metrics.tokens_per_second.set(tokens / window_s)
+        self.publisher.update_token_rate(now)
 
     # -- introspection (tests, health) ---------------------------------------------------------
 
@@ -652,14 +493,3 @@ class Worker:
             "paused": sorted(self.partitions.paused),
             "pending_offsets": self.tracker.total_pending(),
         }
-
-
-def _default_registry() -> CollectorRegistry:
-    """A registry of its own per worker (several workers may share a test process), with the
-    process and platform collectors the default registry would have."""
-    from prometheus_client import PlatformCollector, ProcessCollector
-
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry)
-    PlatformCollector(registry=registry)
-    return registry
