@@ -122,7 +122,7 @@ def worker(
     logging.getLogger(__name__).info("settings: %r", settings)
 
     from workers.engine.engine import EngineConfig
-    from workers.fairness.admission import build_fair_engine
+    from workers.serving.fair_engine import build_fair_engine
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}

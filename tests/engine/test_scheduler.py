@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
+from workers.engine.fcfs import FCFSRequestQueue as FCFSQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
-from workers.engine.scheduler import (
-    AdmissionDecision,
-    Scheduler,
-    SchedulerConfig,
-    SequenceState,
-)
-from workers.engine.types import FinishReason, GenerationRequest, SamplingParams
-from workers.fairness.vtc import FCFSQueue
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SequenceState
+from workers.engine.types import AdmissionDecision, FinishReason, GenerationRequest, SamplingParams
 
 BS = 4
 

@@ -13,6 +13,7 @@ from workers.fairness.latency_model import (
     LatencyModel,
     LatencyPrior,
     Verdict,
+    prior_from_step_costs,
 )
 
 TRUE = {
@@ -184,3 +185,10 @@ def test_decide_request_uses_cached_tokens_and_max_new_tokens() -> None:
     assert adm.decide_request(r, now=0.0, batch_size=4, cached_tokens=100).verdict is (
         Verdict.REJECTED
     )
+
+
+def test_prior_from_step_costs_matches_the_step_model() -> None:
+    m = LatencyModel(prior_from_step_costs(0.1, 0.004, 0.02))
+    # 30 uncached tokens, 10 output tokens at batch 8: one prefill step + 10 decode steps
+    want = 0.1 + 0.004 * 30 + 10 * (0.1 + 0.02 * 8)
+    assert m.predict(30, 10, 8, 150) == pytest.approx(want)

@@ -102,6 +102,7 @@ def make_rig(**settings_kw: Any) -> Rig:
     broker.create_topic(REPLIES, 1)
     broker.create_topic(DEAD_LETTERS, 1)
     engine = settings_kw.pop("engine", None) or FakeEngine()
+    clock_ms = settings_kw.pop("clock_ms", None)
     store = InMemoryResultStore()
     kw: dict[str, Any] = {
         "metrics_port": 0,
@@ -119,6 +120,7 @@ def make_rig(**settings_kw: Any) -> Rig:
         broker.producer_factory(),
         store=store,
         registry=registry,
+        clock_ms=clock_ms,
     )
     thread = worker.run_in_thread()
     return Rig(broker, engine, store, worker, thread, registry)
@@ -213,18 +215,55 @@ def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
     assert rig.metric("tolk_worker_errors_total", lang="de", reason="too_large") == 1
 
 
+class _RecordsDeadlines(FakeEngine):
+    """A FakeEngine that notes the deadline each request reached it with, and the monotonic
+    clock at that moment (just after the worker converted the deadline)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: dict[str, tuple[float | None, float]] = {}
+
+    def submit_translation(self, **kw: Any) -> Any:
+        self.received[kw["request_id"]] = (kw["deadline"], time.monotonic())
+        return super().submit_translation(**kw)
+
+
 def test_deadline_reaching_the_engine_is_converted_to_monotonic() -> None:
-    r = make_rig(engine=FakeEngine(delay_s=0.3))
+    """The Avro deadline (epoch ms) reaches the engine as `monotonic at submit + time left`.
+
+    The worker's wall clock is frozen, so the time left is exact: (deadline - frozen) / 1000 s.
+    The monotonic reading the worker used lies between the test's reading before the send and
+    the engine's reading at submit, so the engine's deadline must lie in that window shifted
+    by the time left (a window of milliseconds: off by 1000x, or ignoring the field, fails).
+    At the boundary a deadline exactly now or 1 ms past never reaches the engine (EXPIRED);
+    1 ms ahead does, with 1 ms left."""
+    frozen_ms = now_ms()
+    engine = _RecordsDeadlines()
+    r = make_rig(engine=engine, clock_ms=lambda: frozen_ms)
+    cases = {"ahead-5s": 5_000, "ahead-90s": 90_000, "ahead-1ms": 1, "now": 0, "past-1ms": -1}
     try:
-        r.send(request_bytes("tight", deadline=now_ms() + 100), "de")
-        r.send(request_bytes("loose", deadline=now_ms() + 60_000), "de")
-        wait_for(lambda: r.reply_count() == 2)
+        before = time.monotonic()
+        for rid, ahead_ms in cases.items():
+            r.send(request_bytes(rid, deadline=frozen_ms + ahead_ms), "de")
+        r.send(request_bytes("none", deadline=None), "de")
+        wait_for(lambda: r.reply_count() == len(cases) + 1, what="every request answered")
         replies = r.replies()
-        assert replies["tight"]["status"] == "EXPIRED"
-        assert replies["loose"]["status"] == "OK"
     finally:
         r.worker.stop()
         r.thread.join(10)
+
+    for rid in ("ahead-5s", "ahead-90s", "ahead-1ms"):
+        deadline, engine_mono = engine.received[rid]
+        assert deadline is not None, rid
+        left_s = cases[rid] / 1000.0
+        assert before + left_s <= deadline <= engine_mono + left_s, (rid, deadline - before)
+    assert engine.received["none"][0] is None
+    assert replies["ahead-5s"]["status"] == replies["ahead-90s"]["status"] == "OK"
+    assert "now" not in engine.received and "past-1ms" not in engine.received
+    assert replies["now"]["status"] == "EXPIRED"
+    assert replies["now"]["error"] == "deadline passed 0 ms before the worker read the request"
+    assert replies["past-1ms"]["status"] == "EXPIRED"
+    assert replies["past-1ms"]["error"] == "deadline passed 1 ms before the worker read the request"
 
 
 def test_stored_result_is_reused_without_recompute(rig: Rig) -> None:

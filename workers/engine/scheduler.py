@@ -9,10 +9,11 @@ rest of its `token_ids` computed. Each step:
    still in (chunked) prefill gets as much of its remaining prompt as the token budget allows.
    When the KV pool is full the most recently admitted running sequence is preempted (its
    blocks freed; it is recomputed later, mostly from the prefix cache);
-2. then newcomers from the waiting `RequestQueue` (FCFS or the fair-share VTC queue), each
-   charged for its *uncached* prompt tokens, while budget, batch slots and KV blocks last.
-   Requests already past their deadline are expired here, before any prefill is spent on them;
-   an optional `admission` hook may reject those that would miss it.
+2. then newcomers from the waiting `RequestQueue` (the engine's FCFS default, `fcfs.py`, or the
+   fair-share VTC queue of `workers.fairness`), each charged for its *uncached* prompt tokens,
+   while budget, batch slots and KV blocks last. Requests already past their deadline are
+   expired here, before any prefill is spent on them; an optional `admission` hook may reject
+   those that would miss it.
 
 So decode of running requests is never stalled by a long newcomer: the newcomer's prefill is
 cut into chunks that fit what the budget leaves over.
@@ -26,7 +27,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from workers.engine.kv_cache import BlockCopy, KVCacheManager
-from workers.engine.types import FinishReason, GenerationRequest, RequestQueue
+from workers.engine.types import (
+    AdmissionDecision,
+    AdmissionHook,
+    FinishReason,
+    GenerationRequest,
+    RequestQueue,
+)
+
+__all__ = [
+    "AdmissionDecision",
+    "AdmissionHook",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SequenceState",
+    "StopCheck",
+]
 
 
 @dataclass(slots=True)
@@ -73,17 +91,6 @@ class SchedulerOutput:
     preempted: list[str]  # request ids preempted this step
     # partial prefix hits: K/V slots to copy between blocks before the forward (kv_cache.py)
     block_copies: list[BlockCopy] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionDecision:
-    admit: bool
-    finish_reason: FinishReason | None = None  # EXPIRED / REJECTED when not admitted
-    reason: str = ""
-
-
-# (request, now, running batch size, cached prompt tokens) -> decision
-AdmissionHook = Callable[[GenerationRequest, float, int, int], AdmissionDecision]
 
 
 @dataclass(frozen=True, slots=True)

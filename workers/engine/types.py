@@ -3,8 +3,11 @@
 The engine is driven by plain dataclasses, the way vLLM v1 drives its core: what goes in is a
 `GenerationRequest` (token ids already built from a translation prompt), what comes out is a
 `GenerationResult` with the timings the worker puts on the reply. The waiting-queue policy is a
-protocol (`RequestQueue`) so the fair-share scheduler of `workers.fairness` plugs into admission
-without the engine knowing about languages' weights.
+protocol (`RequestQueue`) and the admission check a callable (`AdmissionHook`), so the
+fair-share queue of `workers.fairness` and the deadline admission of `workers.serving` plug into
+the scheduler without the engine knowing about languages' weights (the engine imports neither;
+its default queue is `workers.engine.fcfs`). `workers.fairness` imports only this module of the
+engine.
 
 Nothing here imports torch or Kafka.
 """
@@ -99,6 +102,21 @@ class RequestQueue(Protocol):
     def __len__(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """What the scheduler's admission hook says about one request about to be admitted."""
+
+    admit: bool
+    finish_reason: FinishReason | None = None  # EXPIRED / REJECTED when not admitted
+    reason: str = ""  # human-readable; goes on the refused request's result
+
+
+# The scheduler's admission hook: (request, now, running batch size, cached prompt tokens) ->
+# decision. The engine takes one as a plain callable; the fair-share deadline admission
+# (workers.serving.admission) is the real one.
+AdmissionHook = Callable[[GenerationRequest, float, int, int], AdmissionDecision]
+
+
 class RequestHandle:
     """What `Engine.submit()` returns: a thread-safe future for one request.
 
@@ -160,3 +178,13 @@ class TranslationEngine(Protocol):
     def start(self) -> None: ...
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, as `Engine.step_trace` records it (benchmarks: decode on decode steps)."""
+
+    kind: str  # "decode" (every scheduled sequence samples its next token), "prefill", "mixed"
+    num_seqs: int  # sequences scheduled in the step
+    num_tokens: int  # tokens computed in the step (decode tokens + prefill chunk tokens)
+    seconds: float  # wall time of the whole step (schedule, model, sampling, bookkeeping)

@@ -37,6 +37,7 @@ __all__ = [
     "LatencyModel",
     "LatencyPrior",
     "Verdict",
+    "prior_from_step_costs",
 ]
 
 FEATURE_NAMES = ("base", "uncached", "cached", "out", "batch", "out_x_batch")
@@ -69,6 +70,24 @@ class LatencyPrior:
             ],
             dtype=np.float64,
         )
+
+
+def prior_from_step_costs(
+    step_base_s: float, prefill_s_per_token: float, batch_s_per_seq: float
+) -> LatencyPrior:
+    """A latency prior from measured step costs (step = a + b * prefill + c * batch, the
+    simulator's `CostModel` in workers.serving.simulate): a request decoding `out` tokens in a
+    batch of B spends `out` steps of a + c * B, plus b per uncached prompt token for its
+    prefill. Far closer than the generic CPU prior on another machine, so the model predicts
+    well before its first refit."""
+    return LatencyPrior(
+        base_s=step_base_s,  # the prefill step itself
+        prefill_s_per_token=prefill_s_per_token,
+        cached_s_per_token=0.0,
+        decode_s_per_token=step_base_s,
+        batch_s=0.0,
+        decode_s_per_token_per_seq=batch_s_per_seq,
+    )
 
 
 def _features(uncached: float, out: float, batch: float, cached: float) -> np.ndarray:

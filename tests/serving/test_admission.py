@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from workers.engine.scheduler import AdmissionDecision
 from workers.engine.types import (
+    AdmissionDecision,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -19,9 +19,10 @@ from workers.engine.types import (
     SamplingParams,
     Timings,
 )
-from workers.fairness.admission import EngineAdmission, FairEngine
 from workers.fairness.latency_model import LatencyModel, LatencyPrior
 from workers.fairness.vtc import FCFSQueue, VTCQueue
+from workers.serving.admission import EngineAdmission
+from workers.serving.fair_engine import FairEngine
 
 # 0.1 s per request + 10 ms per uncached prompt token + 20 ms per output token
 PRIOR = LatencyPrior(
@@ -255,12 +256,3 @@ def test_fair_engine_precheck_answers_at_once() -> None:
     assert r.finish_reason is FinishReason.REJECTED and r.tokens_out == 0
     assert "x" not in fe.engine.handles  # type: ignore[attr-defined]
     assert math.isnan(fe.stats()["latency_model_mae_s"])
-
-
-def test_prior_from_step_costs_matches_the_step_model() -> None:
-    from workers.fairness.admission import prior_from_step_costs
-
-    m = LatencyModel(prior_from_step_costs(0.1, 0.004, 0.02))
-    # 30 uncached tokens, 10 output tokens at batch 8: one prefill step + 10 decode steps
-    want = 0.1 + 0.004 * 30 + 10 * (0.1 + 0.02 * 8)
-    assert m.predict(30, 10, 8, 150) == pytest.approx(want)

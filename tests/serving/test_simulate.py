@@ -7,15 +7,16 @@ import json
 
 import pytest
 
-from workers.fairness.simulate import (
+from workers.fairness.vtc import FCFSQueue, VTCQueue
+from workers.serving.simulate import (
     CostModel,
     LanguageLoad,
+    ScriptedArrival,
     SimConfig,
     estimate_capacity_rps,
     issue_scenario,
     simulate,
 )
-from workers.fairness.vtc import FCFSQueue, VTCQueue
 
 CAP = estimate_capacity_rps(80, 30)  # defaults: prompts 60-100, outputs 20-40
 
@@ -126,3 +127,28 @@ def test_bad_configs() -> None:
         simulate(dataclasses.replace(overloaded("vtc", {"a": 1}), warmup_s=1e9))
     with pytest.raises(ValueError, match="unknown queue kind"):
         simulate(overloaded("lifo", {"a": 1}))
+
+
+def test_a_small_kv_pool_preempts_and_one_too_small_is_an_error() -> None:
+    langs = {"a": LanguageLoad(rate_rps=3 * CAP, cached_prefix_tokens=40)}  # overloaded
+    roomy = simulate(SimConfig(languages=langs, duration_s=60.0, warmup_s=5.0))
+    assert roomy.preemptions == 0
+    # 32 sequences of up to 100 + 40 tokens need ~290 blocks; 96 blocks force preemptions
+    tight = simulate(
+        SimConfig(languages=langs, duration_s=60.0, warmup_s=5.0, kv_cache_tokens=1536)
+    )
+    assert tight.preemptions > 0
+    assert tight.languages["a"].output_tokens < roomy.languages["a"].output_tokens
+    with pytest.raises(ValueError, match="kv_cache_tokens"):  # not even one request fits
+        simulate(SimConfig(languages=langs, duration_s=60.0, warmup_s=5.0, kv_cache_tokens=64))
+
+
+def test_scripted_arrivals_join_the_poisson_ones() -> None:
+    langs = {"a": LanguageLoad(rate_rps=0.0), "b": LanguageLoad(rate_rps=0.0)}
+    script = (ScriptedArrival(1.0, "a", 50, 10), ScriptedArrival(2.0, "b", 30, 5, "mine"))
+    res = simulate(SimConfig(languages=langs, duration_s=30.0, warmup_s=0.0, scripted=script))
+    assert res.languages["a"].completed == res.languages["b"].completed == 1
+    assert res.languages["a"].output_tokens == 10 and res.languages["b"].output_tokens == 5
+    bad = (ScriptedArrival(1.0, "zz", 50, 10),)
+    with pytest.raises(ValueError, match="'zz' has no LanguageLoad"):
+        simulate(SimConfig(languages=langs, duration_s=30.0, scripted=bad, warmup_s=0.0))

@@ -1,46 +1,65 @@
-"""A fast, deterministic simulation of a continuous-batching engine fed by a RequestQueue.
+"""A fast, deterministic simulation of the engine fed by a RequestQueue: the real scheduler,
+no model.
 
 It answers "what does VTC buy over FCFS" without a model or Kafka: per-language weighted service,
 throughput, latency percentiles, SLO attainment per window, and Jain's index of weight-normalized
 service over the backlogged languages. `bench/fairness.py` drives it with measured constants.
 
-The engine model follows vLLM v1's scheduler, step by step:
+What runs is the engine's own `Scheduler` (workers/engine/scheduler.py) over its own
+`KVCacheManager`, driven the way `Engine.step` drives them, so the simulation cannot drift from
+the engine's admission rules (token budget, batch cap, chunked prefill, running requests first,
+prefix-cache hits, expiry before prefill, preemption when KV blocks run out). Only the model is
+replaced:
 
-- A step has a token budget and a maximum batch size. Running requests go first: each decoding
-  request takes one token, each partially prefilled request its next prefill chunk. Then new
-  requests are admitted from the queue (`peek()` / `pop()`) while a batch slot and budget are
-  left; each gets a prefill chunk of what remains of the budget.
-- The step that finishes a request's prefill also yields its first output token; every later
-  step yields one more, until its output length is reached.
-- Step time = a + b * prefill_tokens + c * batch_size (`CostModel`; the defaults are the CPU
-  anchors of PITFALLS, a benchmark passes its measured ones).
-- After the step, each scheduled request is charged `charge(req, prefill_chunk, tokens_out)`,
-  as the engine does; prompt tokens covered by the language's cached prefix are neither computed
-  nor charged.
+- The clock is simulated: the scheduler reads it (admission times, deadlines) and each step
+  advances it by the step's cost, `a + b * prefill_tokens + c * batch_size` (`CostModel`; the
+  defaults are the CPU anchors of PITFALLS, a benchmark passes its measured ones). A step's
+  prefill tokens are counted as the engine's stats count them: every computed token except one
+  per decoding sequence.
+- Every sequence whose chunk reaches the end of its known tokens gets one output token (so the
+  step that finishes a prefill yields the first one), until its output length is reached (the
+  engine's `max_new_tokens` stop rule with `ignore_eos`). Token ids are synthetic: each prompt is
+  its language's prefix followed by `max(1, prompt_tokens - cached_prefix_tokens)` fresh ids, so
+  the prefix cache shares exactly the language prefixes.
+- Start-up: each language's prefix is computed once before t = 0 (as `Engine.warm` does, through
+  the same scheduler and queue, charged to group ""), without advancing the clock.
+- The KV pool has one full-attention group with `block_size`-token blocks: `kv_cache_tokens` as
+  the engine sizes it, or (0, the default) big enough for a full batch of the longest requests,
+  so nothing is preempted. Prefix caching (partial blocks included) is on as in the engine, and
+  skipped when no language has a prefix (no hit is possible then; hashing would only cost time).
+- The queue is charged by the scheduler, as in the engine: uncached prompt tokens at admission,
+  output tokens as decoded.
 - Arrivals are open loop (PITFALLS: no coordinated omission): Poisson per language with its own
-  seeded generator, plus an optional burst already waiting at t = 0. A request's deadline is
-  arrival + the language's SLO; with `drop_expired` the admission loop drops requests whose
-  deadline passed before prefill (the deadline rule of the engine).
+  seeded generator, an optional burst already waiting at t = 0, and optional scripted arrivals
+  (`ScriptedArrival`). They are pushed in order of (arrival time, language, request id) before
+  the first step that starts at or after their arrival. A request's SLO is the language's; with
+  `drop_expired` its deadline is arrival + SLO and the scheduler expires it if that passed
+  before admission (the engine's deadline rule), otherwise it has no deadline.
 
-Measurement: service and throughput count steps that start inside [warmup_s, duration_s);
-latency and SLO numbers count requests arriving in that window. A request still unfinished when
-the run ends enters the latency percentiles with its age at the end (a lower bound) rather than
-being censored away, so an ever-growing FCFS queue shows in the tail. A language counts as
-backlogged when requests of it were left waiting after admission for at least
-`backlog_fraction` of the measured time.
+Measurement: service and throughput count steps that start inside [warmup_s, duration_s)
+(service = tokens computed + 2 x output tokens, per language: a cached prefix is not computed,
+a preempted request's recomputation is); latency and SLO numbers count requests arriving in
+that window. A request still unfinished when the run ends enters the latency percentiles with
+its age at the end (a lower bound) rather than being censored away, so an ever-growing FCFS
+queue shows in the tail. A language counts as backlogged when requests of it were left waiting
+after admission (in the queue, or preempted) for at least `backlog_fraction` of the measured
+time.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from workers.engine.types import GenerationRequest, RequestQueue
+from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SequenceState
+from workers.engine.types import FinishReason, GenerationRequest, RequestQueue, SamplingParams
 from workers.fairness.policy import DEFAULT_POLICIES
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, FCFSQueue, VTCQueue, jain_index
 
@@ -48,6 +67,7 @@ __all__ = [
     "CostModel",
     "LanguageLoad",
     "LanguageResult",
+    "ScriptedArrival",
     "SimConfig",
     "SimResult",
     "estimate_capacity_rps",
@@ -55,6 +75,9 @@ __all__ = [
     "make_queue",
     "simulate",
 ]
+
+_OUTPUT_TOKEN_ID = 0  # what every simulated step samples; prompt ids start at 1
+_DONE = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +102,24 @@ class LanguageLoad:
 
     rate_rps: float  # Poisson arrival rate, requests per second (0 = none)
     weight: float = 1.0  # fair-share weight given to the queue
-    slo_s: float = 5.0  # latency target; also sets each request's deadline
+    slo_s: float = 5.0  # latency target; with drop_expired also each request's deadline
     prompt_tokens: tuple[int, int] = (60, 100)  # uniform, inclusive
     output_tokens: tuple[int, int] = (20, 40)  # uniform, inclusive
-    cached_prefix_tokens: int = 0  # prompt tokens served by the prefix cache (not computed)
+    # the language's shared prompt prefix, warmed into the prefix cache at start-up; a prompt
+    # is this prefix + max(1, prompt_tokens - cached_prefix_tokens) tokens of its own
+    cached_prefix_tokens: int = 0
     burst: int = 0  # requests already waiting at t = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedArrival:
+    """One request at a set time (in addition to the Poisson and burst arrivals)."""
+
+    at_s: float  # arrival time
+    lang: str  # must be one of SimConfig.languages (its prefix, SLO and weight apply)
+    prompt_tokens: int  # as LanguageLoad.prompt_tokens: the cached prefix included
+    output_tokens: int  # exact output length
+    request_id: str = ""  # "" = f"{lang}-s{index in SimConfig.scripted}"
 
 
 @dataclass(frozen=True)
@@ -93,14 +129,18 @@ class SimConfig:
     duration_s: float = 300.0  # arrivals stop here; measurement window ends here
     warmup_s: float = 30.0  # measurement window starts here
     drain_s: float = 0.0  # keep stepping this long after duration_s
-    token_budget: int = 256  # tokens per step (decode + prefill)
-    max_batch: int = 32  # sequences per step
+    token_budget: int = 256  # tokens per step (decode + prefill), the scheduler's budget
+    max_batch: int = 32  # sequences per step, the scheduler's max_num_seqs
     cost: CostModel = field(default_factory=CostModel)
     seed: int = 0
     window_s: float = 30.0  # SLO attainment window (by arrival time)
-    drop_expired: bool = False  # drop requests whose deadline passed before admission
+    drop_expired: bool = False  # give requests deadlines: expired ones are dropped at admission
     backlog_fraction: float = 0.9  # share of measured time waiting to count as backlogged
     burst_tokens: float = 0.0  # VTC burst credit (see VTCQueue); the worker's default is 256
+    scripted: tuple[ScriptedArrival, ...] = ()  # requests at set times
+    block_size: int = 16  # tokens per KV block (EngineConfig.block_size)
+    kv_cache_tokens: int = 0  # KV pool size as EngineConfig's; 0 = enough for a full batch
+    max_model_len: int = 2048  # prompt + output cap per sequence (EngineConfig.max_model_len)
 
 
 @dataclass(slots=True)
@@ -109,7 +149,7 @@ class LanguageResult:
     slo_s: float
     arrived: int  # arrivals inside the measurement window
     completed: int  # of those, finished
-    expired: int  # of those, dropped at admission (drop_expired)
+    expired: int  # of those, dropped at admission (deadline passed, or refused)
     unfinished: int  # of those, still waiting or running at the end
     service: float  # weighted tokens served in the window (prefill + 2 * output)
     normalized_service: float  # service / weight
@@ -137,6 +177,7 @@ class SimResult:
     jain_index: float  # over the backlogged languages' normalized service
     service_ratio: dict[str, float]  # backlogged lang -> normalized service / their mean
     languages: dict[str, LanguageResult]
+    preemptions: int = 0  # running sequences preempted for KV blocks (0 with the default pool)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: nan and inf become None."""
@@ -167,18 +208,55 @@ def make_queue(
 class _Req:
     request: GenerationRequest
     lang: str
-    uncached: int  # prompt tokens to compute
-    out_len: int
     arrival: float
     slo_s: float
-    prefill_left: int = 0
-    out_done: int = 0
     admitted: float = math.nan
     finish: float = math.nan
     expired: bool = False
 
 
-def _arrivals(config: SimConfig) -> list[_Req]:
+class _Clock:
+    """The scheduler's clock: simulated seconds, set by the loop."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _prefixes(config: SimConfig, ids: Iterator[int]) -> dict[str, list[int]]:
+    return {
+        lang: [next(ids) for _ in range(config.languages[lang].cached_prefix_tokens)]
+        for lang in sorted(config.languages)
+    }
+
+
+def _request(
+    config: SimConfig,
+    rid: str,
+    lang: str,
+    at: float,
+    prompt: int,
+    out: int,
+    prefix: list[int],
+    ids: Iterator[int],
+) -> _Req:
+    load = config.languages[lang]
+    own = max(1, prompt - len(prefix))  # the last prompt token is always computed
+    request = GenerationRequest(
+        request_id=rid,
+        prompt_ids=prefix + [next(ids) for _ in range(own)],
+        params=SamplingParams(max_new_tokens=max(1, out), stop_at_newline=False, ignore_eos=True),
+        group=lang,
+        deadline=at + load.slo_s if config.drop_expired else None,
+        arrival=at,
+        expected_output_tokens=max(1, out),
+    )
+    return _Req(request, lang, at, load.slo_s)
+
+
+def _arrivals(config: SimConfig, prefixes: dict[str, list[int]], ids: Iterator[int]) -> list[_Req]:
     reqs: list[_Req] = []
     for lang in sorted(config.languages):
         load = config.languages[lang]
@@ -193,19 +271,74 @@ def _arrivals(config: SimConfig) -> list[_Req]:
                 times.append(t)
         for i, at in enumerate(times):
             prompt = rng.randint(*load.prompt_tokens)
-            out = max(1, rng.randint(*load.output_tokens))
-            uncached = max(1, prompt - load.cached_prefix_tokens)  # the last token is computed
-            request = GenerationRequest(
-                request_id=f"{lang}-{i}",
-                prompt_ids=[],  # lengths live in _Req; the queues never read the ids
-                group=lang,
-                deadline=at + load.slo_s,
-                arrival=at,
-                expected_output_tokens=out,
-            )
-            reqs.append(_Req(request, lang, uncached, out, at, load.slo_s, prefill_left=uncached))
+            out = rng.randint(*load.output_tokens)
+            reqs.append(_request(config, f"{lang}-{i}", lang, at, prompt, out, prefixes[lang], ids))
+    for k, s in enumerate(config.scripted):
+        if s.lang not in config.languages:
+            raise ValueError(f"scripted arrival {k}: language {s.lang!r} has no LanguageLoad")
+        rid = s.request_id or f"{s.lang}-s{k}"
+        prefix = prefixes[s.lang]
+        reqs.append(
+            _request(config, rid, s.lang, s.at_s, s.prompt_tokens, s.output_tokens, prefix, ids)
+        )
     reqs.sort(key=lambda r: (r.arrival, r.lang, r.request.request_id))
     return reqs
+
+
+def _kv_cache(
+    config: SimConfig, reqs: list[_Req], prefixes: dict[str, list[int]]
+) -> KVCacheManager:
+    bs = config.block_size
+    if config.kv_cache_tokens > 0:
+        num_blocks = math.ceil(config.kv_cache_tokens / bs) + 1  # + the null block, as the engine
+    else:  # a full batch of the longest requests, the prefixes, and the partial-hit copies
+        longest = max(
+            (len(r.request.prompt_ids) + r.request.params.max_new_tokens for r in reqs), default=1
+        )
+        per_seq = math.ceil(longest / bs) + 2
+        prefix_blocks = sum(math.ceil(len(p) / bs) for p in prefixes.values())
+        num_blocks = config.max_batch * per_seq + prefix_blocks + 2
+    # Without language prefixes no two prompts share a block (their ids are unique), so hashing
+    # blocks could never find a hit: prefix caching is skipped then, which changes no decision.
+    sharing = any(prefixes.values())
+    return KVCacheManager(
+        [KVGroupSpec("full", num_blocks, bs, None)],
+        enable_prefix_caching=sharing,
+        share_partial_blocks=sharing,
+    )
+
+
+def _stop_at_length(seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
+    """The engine's stop rule for an `ignore_eos` request: stop at max_new_tokens."""
+    if len(seq.output_ids) + 1 >= seq.request.params.max_new_tokens:
+        return FinishReason.LENGTH, True
+    return None, True
+
+
+def _sampled(out: SchedulerOutput) -> dict[str, int]:
+    return {c.seq.request_id: _OUTPUT_TOKEN_ID for c in out.chunks if c.samples}
+
+
+def _warm(scheduler: Scheduler, prefixes: dict[str, list[int]]) -> None:
+    """`Engine.warm`: compute each language's prefix once (1 output token), before t = 0."""
+    for lang in sorted(prefixes):
+        if prefixes[lang]:
+            params = SamplingParams(max_new_tokens=1)
+            warm = GenerationRequest(f"warm-{lang}", prefixes[lang], params, arrival=0.0)
+            scheduler.add_request(warm)
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        _check_progress(out, scheduler)
+        scheduler.update_from_output(out, _sampled(out), _stop_at_length)
+
+
+def _check_progress(out: SchedulerOutput, scheduler: Scheduler) -> None:
+    if not out.chunks and not out.finished and not out.preempted:
+        blocks = scheduler.kv.groups[0].num_blocks - 1
+        raise ValueError(
+            f"the KV cache ({blocks} blocks of {scheduler.kv.block_size} tokens) cannot hold "
+            "the next waiting request: raise kv_cache_tokens"
+        )
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -224,96 +357,93 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
         queue = make_queue(
             config.queue, {g: config.languages[g].weight for g in langs}, config.burst_tokens
         )
-    arrivals = _arrivals(config)
+    ids = itertools.count(_OUTPUT_TOKEN_ID + 1)
+    prefixes = _prefixes(config, ids)
+    arrivals = _arrivals(config, prefixes, ids)
+    by_id = {r.request.request_id: r for r in arrivals}
+    clock = _Clock()
+    scheduler = Scheduler(
+        SchedulerConfig(config.max_batch, config.token_budget, config.max_model_len),
+        _kv_cache(config, arrivals, prefixes),
+        queue,
+        clock=clock,
+    )
+    _warm(scheduler, prefixes)
+
     end = config.duration_s + config.drain_s
     cost = config.cost
     warm, stop = config.warmup_s, config.duration_s
-
     service = dict.fromkeys(langs, 0.0)
     out_tokens = dict.fromkeys(langs, 0)
     waiting_time = dict.fromkeys(langs, 0.0)
-    waiting: dict[str, int] = dict.fromkeys(langs, 0)  # queued (not running) per language
+    waiting = dict.fromkeys(langs, 0)  # pushed and not yet admitted or dropped, per language
     measured_time = 0.0
     completed_in_window = 0
-    by_id = {r.request.request_id: r for r in arrivals}
-
+    preemptions = 0
     t = 0.0
     ai = 0
     steps = 0
-    running: list[_Req] = []
     while True:
         while ai < len(arrivals) and arrivals[ai].arrival <= t:
             r = arrivals[ai]
-            queue.push(r.request)
+            scheduler.add_request(r.request)
             waiting[r.lang] += 1
             ai += 1
         if t >= end:
             break
-        if not running and len(queue) == 0:
+        if not scheduler.has_work():
             if ai >= len(arrivals):
                 break
             t = arrivals[ai].arrival  # idle: jump to the next arrival
             continue
 
-        # -- schedule one step: running first, then admissions --------------------------------
-        budget = config.token_budget
-        scheduled: list[tuple[_Req, int]] = []  # (request, prefill chunk)
-        prefill = 0
-        for r in running:
-            if r.prefill_left == 0:
-                budget -= 1
-                scheduled.append((r, 0))
-        for r in running:
-            if r.prefill_left > 0 and budget > 0:
-                chunk = min(r.prefill_left, budget)
-                budget -= chunk
-                prefill += chunk
-                scheduled.append((r, chunk))
-        while len(running) < config.max_batch and budget > 0:
-            head = queue.peek()
-            if head is None:
-                break
-            queue.pop()
-            r = by_id[head.request_id]
+        # -- one engine step: schedule, "run the model", update ---------------------------------
+        clock.now = t
+        out = scheduler.schedule()
+        _check_progress(out, scheduler)
+        preemptions += len(out.preempted)
+        for seq in out.finished:  # dropped at admission: expired (or refused)
+            r = by_id[seq.request_id]
+            r.expired = True
             waiting[r.lang] -= 1
-            if config.drop_expired and head.deadline is not None and head.deadline <= t:
-                r.expired = True
-                continue
-            r.admitted = t
-            running.append(r)
-            chunk = min(r.prefill_left, budget)
-            budget -= chunk
-            prefill += chunk
-            scheduled.append((r, chunk))
+        for c in out.chunks:
+            r = by_id[c.seq.request_id]
+            if math.isnan(r.admitted) and c.seq.first_scheduled_at is not None:
+                r.admitted = c.seq.first_scheduled_at
+                waiting[r.lang] -= 1
+        if not out.chunks:  # nothing to compute (only drops): no model step, no time passes
+            scheduler.update_from_output(out, {}, _stop_at_length)
+            continue
 
-        dt = cost.step_time(prefill, len(scheduled))
+        # prefill tokens as the engine's stats count them: all but one per decoding sequence
+        decoding = sum(1 for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
+        dt = cost.step_time(out.num_batched_tokens - decoding, len(out.chunks))
         t_start = t
         t += dt
+        clock.now = t
         steps += 1
         in_window = warm <= t_start < stop
         if in_window:
             measured_time += dt
+            # preempted after admission: waiting again (not in `waiting`, which counts the queue)
+            resumed = {
+                s.request.group for s in scheduler.preempted if s.first_scheduled_at is not None
+            }
             for g in langs:
-                if waiting[g] > 0:
+                if waiting[g] > 0 or g in resumed:
                     waiting_time[g] += dt
+            for c in out.chunks:
+                g = c.seq.request.group
+                produced = 1 if c.samples else 0
+                computed = c.num_tokens - (1 if c.start >= c.seq.num_prompt_tokens else 0)
+                service[g] += computed + OUTPUT_TOKEN_COST * produced
+                out_tokens[g] += produced
 
-        # -- finish the step: tokens out, charges, completions -------------------------------
-        finished = False
-        for r, chunk in scheduled:
-            r.prefill_left -= chunk
-            produced = 1 if r.prefill_left == 0 else 0
-            r.out_done += produced
-            queue.charge(r.request, chunk, produced)
-            if in_window:
-                service[r.lang] += chunk + OUTPUT_TOKEN_COST * produced
-                out_tokens[r.lang] += produced
-            if r.out_done >= r.out_len:
-                r.finish = t
-                finished = True
+        for seq in scheduler.update_from_output(out, _sampled(out), _stop_at_length):
+            if seq.finish_reason in _DONE:
+                by_id[seq.request_id].finish = t
                 if in_window:
                     completed_in_window += 1
-        if finished:
-            running = [r for r in running if math.isnan(r.finish)]
 
     return _summarize(
         config,
@@ -321,6 +451,7 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
         arrivals,
         t,
         steps,
+        preemptions,
         service,
         out_tokens,
         waiting_time,
@@ -335,6 +466,7 @@ def _summarize(
     arrivals: list[_Req],
     sim_end: float,
     steps: int,
+    preemptions: int,
     service: dict[str, float],
     out_tokens: dict[str, int],
     waiting_time: dict[str, float],
@@ -417,6 +549,7 @@ def _summarize(
             g: (per_lang[g].normalized_service / mean if mean else math.nan) for g in backlogged
         },
         languages=per_lang,
+        preemptions=preemptions,
     )
 
 

@@ -11,9 +11,9 @@ import pytest
 
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import FinishReason, GenerationRequest
-from workers.fairness.admission import build_fair_engine
 from workers.fairness.policy import LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, VTCQueue
+from workers.serving.fair_engine import build_fair_engine
 
 pytestmark = pytest.mark.slow
 
