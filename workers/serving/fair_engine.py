@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from workers.deadlines import late_by
 from workers.engine.types import (
     AdmissionDecision,
     FinishReason,
@@ -169,13 +170,13 @@ class FairEngine:
         if request.deadline is None:
             return result
         finished_at = request.arrival + result.timings.total_s
-        late = finished_at - request.deadline
-        if result.ok and late > 0:
+        late = late_by(request.deadline, finished_at)  # the worker's rule (workers/deadlines.py)
+        if result.ok and late is not None:
             self.late_ok_converted += 1
             result.finish_reason = FinishReason.EXPIRED
             result.error = f"finished {late * 1e3:.0f} ms after its deadline"
             result.text = ""
-        elif result.finish_reason is FinishReason.CANCELLED and late >= 0:
+        elif result.finish_reason is FinishReason.CANCELLED and finished_at >= request.deadline:
             result.finish_reason = FinishReason.EXPIRED
             result.error = (
                 f"deadline passed while running; stopped after {result.tokens_out} tokens"
