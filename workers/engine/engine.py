@@ -15,6 +15,13 @@ its prefix (instructions + few-shot examples of the target language) is shared t
 prefix cache, and `warm()` computes it once at start-up so the first request of a language
 already prefills only its own tokens.
 
+The model is prepared once per loaded model (`workers/engine/prepare.py`: the speed swaps of
+`swaps.py`), not by each engine: `Engine(loaded_or_prepared, config)` prepares a `LoadedModel`
+on first use and refuses one prepared with other swaps than `config.preparation`
+(`PreparationMismatch`). Each engine allocates its own KV pools and binds them to the model
+around every forward, under the prepared model's lock, so engines over one model never share
+pools and take turns per step (the lock is uncontended with one engine).
+
 The engine knows nothing of Kafka: the worker drives it through `submit_translation()` and
 handle callbacks (which run on the engine thread and must only enqueue).
 """
@@ -34,10 +41,11 @@ import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.greedy_head import greedy_tokens
-from workers.engine import hugepages
 from workers.engine.compiled import CompiledDecode
+from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
+from workers.engine.prepare import Preparation, PreparedModel, prepare_model
 from workers.engine.prompts import PromptBuilder
 from workers.engine.scheduler import (
     AdmissionHook,
@@ -46,7 +54,6 @@ from workers.engine.scheduler import (
     SchedulerOutput,
     SequenceState,
 )
-from workers.engine.swaps import convert_for_runtime, fuse_qkv, pack_linears, screen_lm_head
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
     FinishReason,
@@ -55,9 +62,9 @@ from workers.engine.types import (
     RequestHandle,
     RequestQueue,
     SamplingParams,
+    StepRecord,
     Timings,
 )
-from workers.fairness.vtc import FCFSQueue
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,16 @@ class EngineConfig:
     warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
     model_version: str = ""  # the A/B arm name on replies; default: model name
 
+    @property
+    def preparation(self) -> Preparation:
+        """The model preparation this engine needs (workers/engine/prepare.py)."""
+        return Preparation(
+            fuse_qkv=self.fuse_qkv,
+            quantize=self.quantize,
+            pack_weights=self.pack_weights,
+            screen_lm_head=self.screen_lm_head,
+        )
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -106,25 +123,24 @@ class EngineStats:
 class Engine:
     def __init__(
         self,
-        loaded: LoadedModel,
+        model: LoadedModel | PreparedModel,
         config: EngineConfig | None = None,
         request_queue: RequestQueue | None = None,
         admission: AdmissionHook | None = None,
     ) -> None:
+        """`model`: a `PreparedModel`, or a `LoadedModel`, prepared here on first use. Either
+        way the preparation must be `config.preparation` (raises `PreparationMismatch`)."""
         self.config = config or EngineConfig()
+        loaded = model.loaded if isinstance(model, PreparedModel) else model
+        # the swaps run once per loaded model, shared by its engines (workers/engine/prepare.py)
+        self.prepared = prepare_model(loaded, self.config.preparation)
         self.loaded = loaded
         self.model = loaded.model
-        if self.config.fuse_qkv:
-            fuse_qkv(self.model)  # Llama: one q/k/v projection (in place, idempotent)
-        convert_for_runtime(self.model, self.config.quantize)  # int8 weights (idempotent)
-        # before packing: the screen copies the float32 head (None unless CPU float32)
-        self.lm_screen = screen_lm_head(self.model) if self.config.screen_lm_head else None
-        if self.config.pack_weights:
-            pack_linears(self.model)  # no-op unless float32 nn.Linear on CPU
+        self.lm_screen = self.prepared.lm_screen if self.config.screen_lm_head else None
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
-        self.device = next(self.model.parameters()).device
-        self.kv_dtype = next(self.model.parameters()).dtype
+        self.device = self.prepared.device
+        self.kv_dtype = self.prepared.kv_dtype
         bs = self.config.block_size
         num_blocks = math.ceil(self.config.kv_cache_tokens / bs) + 1  # + the null block
         groups = [
@@ -136,9 +152,9 @@ class Engine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             share_partial_blocks=self.config.share_partial_blocks,
         )
-        self.model.allocate_kv_cache(  # CPU pools on huge pages (workers/engine/hugepages.py)
-            {g.name: g.num_blocks for g in groups}, bs, self.kv_dtype, self.device, hugepages.zeros
-        )
+        # this engine's own pools (CPU: on huge pages), bound to the model for each forward
+        self.kv_pools = self.prepared.allocate_kv_pools({g.name: g.num_blocks for g in groups}, bs)
+        self.prepared.bind(self.kv_pools)  # the model's k_cache/v_cache, until another engine's
         self.compiled = (
             CompiledDecode(self.model, bs, self.config.compile_max_batch)
             if self.config.compile_decode
@@ -151,7 +167,7 @@ class Engine:
                 self.config.max_model_len,
             ),
             self.kv,
-            request_queue if request_queue is not None else FCFSQueue(),
+            request_queue if request_queue is not None else FCFSRequestQueue(),
             admission,
         )
         self.prompts = PromptBuilder(
@@ -160,6 +176,9 @@ class Engine:
         self.model_version = self.config.model_version or loaded.name
         self.languages = self.prompts.languages
         self.stats = EngineStats()
+        # set to a list to record every step (kind, sizes, wall time): benchmarks measure
+        # decode speed on the steps in which every sequence decodes
+        self.step_trace: list[StepRecord] | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._inbox: queue.SimpleQueue[GenerationRequest] = queue.SimpleQueue()
@@ -173,12 +192,14 @@ class Engine:
     def from_config(cls, config: EngineConfig, **kwargs: object) -> Engine:
         dtype = getattr(torch, config.dtype) if config.dtype else None
         loaded = load_model(config.model, dtype=dtype, device=config.device)
-        engine = cls(loaded, config, **kwargs)  # type: ignore[arg-type]
+        prepared = prepare_model(loaded, config.preparation)  # the swaps, once
+        engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
         warm = [lang for lang in config.warm_languages if lang in engine.languages]
         if warm:
             engine.warm(warm)  # synchronous: the loop thread is not running yet
         if engine.compiled is not None:
-            engine.compiled.warm_up()
+            with prepared.bound(engine.kv_pools):  # warm-up writes the null block of its pools
+                engine.compiled.warm_up()
             release_openmp_pool()
         return engine
 
@@ -327,6 +348,7 @@ class Engine:
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
+        started = time.perf_counter()
         self._drain_inbox()
         out = self.scheduler.schedule()
         sampled: dict[str, int] = {}
@@ -337,9 +359,18 @@ class Engine:
             self.stats.steps += 1
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
-        return [self._finish(seq) for seq in finished]
+        results = [self._finish(seq) for seq in finished]
+        if self.step_trace is not None and out.chunks:
+            self.step_trace.append(_step_record(out, time.perf_counter() - started))
+        return results
 
     def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+        # this engine's KV pools in the model; engines sharing the model take turns per step
+        with self.prepared.bound(self.kv_pools):
+            return self._forward_and_pick(out)
+
+    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, int]:
+        """The step's forward over the flattened batch and its sampled tokens (pools bound)."""
         if out.block_copies:  # partial prefix hits: their matched slots, before any write
             self.model.copy_kv_blocks(
                 [(c.group, c.src, c.dst, c.num_slots) for c in out.block_copies]
@@ -498,3 +529,10 @@ class Engine:
             seq.finish_reason = FinishReason.ERROR
             seq.error = error
             self._finish(seq)
+
+
+def _step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
+    decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1)
+    kind = "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
+    tokens = sum(c.num_tokens for c in out.chunks)
+    return StepRecord(kind, len(out.chunks), tokens, seconds)

@@ -77,7 +77,7 @@ def to_huge_pages(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 def zeros(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device | str) -> Tensor:
     """`torch.zeros` whose CPU memory is advised for huge pages before it is first written (the
-    KV pools: `Transformer.allocate_kv_cache(..., zeros=hugepages.zeros)`)."""
+    KV pools: `workers.engine.prepare.PreparedModel.allocate_kv_pools`)."""
     if torch.device(device).type == "cpu":
         views = _advised_views([(torch.Size(shape), dtype)])
         if views is not None:

@@ -1,8 +1,9 @@
 """Paged KV cache manager: preallocated block pools, block tables and prefix caching.
 
 Pure CPU bookkeeping in the spirit of vLLM v1's `kv_cache_manager.py` / `block_pool.py`; the
-model owns the tensors (`k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim]` per layer)
-and only ever sees block ids, through `block_table()` and `slot_mapping()`.
+engine owns the tensors (`KVPools` of `prepare.py`: `k/v [num_blocks, block_size, kv_heads,
+head_dim]` per layer, bound into the model's layers for each forward); the model only ever
+sees block ids, through `block_table()` and `slot_mapping()`.
 
 Design
 ------

@@ -1,5 +1,9 @@
 """Speed by swaps, applied after loading (gpt-fast style): the model file stays plain.
 
+The swaps change the model in place and cannot be undone, so they run once per loaded model,
+through `workers/engine/prepare.py`'s `prepare_model` (which also records them and refuses a
+second, different preparation); engines never call them directly.
+
 - `pack_linears(model)`: on CPU in float32, every `nn.Linear` becomes `MKLPackedLinear`, whose
   weight is pre-packed once for MKL's packed GEMM (`cblas_sgemm_pack`, the op inductor uses
   when it freezes a CPU graph). The small-M GEMMs of decode and of short prefill chunks skip
