@@ -75,13 +75,25 @@ def peak_rss_mb() -> float:
 
 
 def cpu_model() -> str:
+    """The CPU as a reader needs it to compare figures: model name, vendor, family and model
+    number (a VM may report only "AMD EPYC"; family 25 is Zen 3/4, 26 Zen 5)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "vendor_id", "cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    vendor = fields.get("vendor_id")
+    if vendor:
+        family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+        name += f" ({vendor}, family {family} model {model})"
+    return name
 
 
 def cpu_flags() -> list[str]:

@@ -3,11 +3,21 @@
 What is measured, per (system, model, batch, dtype): B distinct real translation prompts (the
 engine's own en->de prompt, prefix + query, built from Tatoeba sentences) are submitted at once
 and each generates exactly `--new-tokens` (64) tokens, greedy, EOS ignored. From the batch's
-time to first token (TTFT: until *every* sequence has its first token) and total time:
+time to first token (TTFT: until *every* sequence has its first token), its total time, and the
+time of its decode phase:
 
-    prefill tok/s   = prompt tokens of the batch / TTFT
-    decode tok/s    = B * (new_tokens - 1) / (total - TTFT)
+    prefill tok/s   = prompt tokens computed for the batch / TTFT  (cached prefix excluded)
+    decode tok/s    = tokens made in the decode phase / its time
     aggregate tok/s = B * new_tokens / total        (generated tokens over the whole wall time)
+
+The decode phase is the same for every system: the steps in which every sequence of the batch
+decodes one token. tolk records each engine step (`Engine.step_trace`: kind, sequences, wall
+time) and counts the decode-only steps with all B sequences; transformers' steps are timed by a
+logits processor (from the first token's step to the last); llama.cpp's decode loop is timed on
+its own (`bench/engine_llamacpp.py`). `decode_tok_s_window` keeps the figure used before,
+B * (new_tokens - 1) / (total - TTFT): with chunked prefill, tolk's early sequences decode
+inside the TTFT window, so that figure counted tokens made before its window started and
+flattered tolk's rows without the shared prefix.
 
 One warm-up run per batch size, then the median of `--repeats` runs (raw values are kept).
 
@@ -34,9 +44,13 @@ says how many prompt tokens came from the cache. The prefix cache's TTFT effect 
 separately (in the `tolk` worker): TTFT of one request whose language prefix is warm
 (`engine.warm([lang])`) vs cold (prefix cache disabled), median of `--ttft-trials`.
 
-Caveats: tolk batches continuously with chunked prefill (`max_num_batched_tokens` per step), so
-early sequences start decoding before the last one's prefill is done; those tokens fall in the
-TTFT window of the batch while `decode tok/s` still counts B * (new_tokens - 1).
+llama.cpp: `llamacpp` computes every prompt token; `llamacpp-prefix` decodes the language
+prefix once and shares it with every sequence (`llama_memory_seq_cp` in a unified KV cache), the
+llama.cpp counterpart of `tolk-prefix`. Ratios compare each tolk row with the better llama.cpp
+row of the same batch and with llama.cpp's best over all batch sizes.
+
+The machine (CPU model, vendor, family) and the linear backends tolk's start-up probe picked
+(`workers/engine/linear_backends.py`) are in the JSON: speed-ups choose themselves per machine.
 """
 
 from __future__ import annotations
@@ -67,11 +81,19 @@ from bench._common import (
 
 log = logging.getLogger("bench.engine")
 
-SYSTEMS = ("tolk", "tolk-prefix", "hf", "llamacpp")
+SYSTEMS = ("tolk", "tolk-prefix", "hf", "llamacpp", "llamacpp-prefix")
 TOLK_SYSTEMS = ("tolk", "tolk-prefix")  # the second: prefix cache on, language warm
+LLAMACPP_SYSTEMS = ("llamacpp", "llamacpp-prefix")  # the second: the prefix decoded once
 SOURCE_LANG, TARGET_LANG = "en", "de"
 TTFT_SENTENCE_OFFSET = 500  # TTFT trials use sentences no throughput prompt uses
-METRICS = ("ttft_s", "total_s", "prefill_tok_s", "decode_tok_s", "aggregate_tok_s")
+METRICS = (
+    "ttft_s",
+    "total_s",
+    "prefill_tok_s",
+    "decode_tok_s",
+    "decode_tok_s_window",
+    "aggregate_tok_s",
+)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -140,13 +162,25 @@ def prompt_stats(ids: Sequence[Sequence[int]]) -> JSON:
 
 
 # -- measurement --------------------------------------------------------------------------------
-def run_metrics(batch: int, prompt_tokens: int, ttft: float, total: float, new: int) -> JSON:
-    decode_s = max(total - ttft, 1e-9)
+def run_metrics(
+    batch: int,
+    prompt_tokens: int,
+    ttft: float,
+    total: float,
+    new: int,
+    *,
+    decode_s: float,
+    decode_tokens: int | None = None,
+) -> JSON:
+    """`decode_s`: the time of the decode phase (every sequence decoding), in which
+    `decode_tokens` (default B * (new - 1)) tokens were made."""
+    decode_tokens = batch * (new - 1) if decode_tokens is None else decode_tokens
     return {
         "ttft_s": ttft,
         "total_s": total,
         "prefill_tok_s": prompt_tokens / max(ttft, 1e-9),
-        "decode_tok_s": batch * (new - 1) / decode_s,
+        "decode_tok_s": decode_tokens / max(decode_s, 1e-9),
+        "decode_tok_s_window": batch * (new - 1) / max(total - ttft, 1e-9),
         "aggregate_tok_s": batch * new / max(total, 1e-9),
     }
 
@@ -178,6 +212,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
     import torch
 
+    from workers.engine import linear_backends
     from workers.engine.engine import Engine, EngineConfig
 
     torch.set_num_threads(args.threads)
@@ -230,17 +265,32 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         def once(texts: Sequence[str] = texts, batch: int = batch) -> JSON:
             reqs = requests(texts, new)
             prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+            engine.step_trace = []
             start = time.monotonic()
             for r in reqs:
                 r.arrival = start  # TTFT from the moment the batch is submitted
             results = engine.generate(reqs)
             total = time.monotonic() - start
+            trace, engine.step_trace = engine.step_trace, None
             bad = [r for r in results if not r.ok or r.tokens_out != new]
             if bad:
                 raise RuntimeError(f"tolk: {len(bad)} requests failed: {bad[0]}")
             ttft = max(r.timings.queue_s + r.timings.prefill_s for r in results)
-            out = run_metrics(batch, prompt_tokens, ttft, total, new)
-            out["cached_tokens"] = sum(r.cached_tokens for r in results)
+            full = [s for s in trace if s.kind == "decode" and s.num_seqs == batch]
+            if not full:
+                raise RuntimeError(f"tolk B={batch}: no step in which every sequence decoded")
+            cached = sum(r.cached_tokens for r in results)
+            out = run_metrics(
+                batch,
+                prompt_tokens - cached,
+                ttft,
+                total,
+                new,
+                decode_s=sum(s.seconds for s in full),
+                decode_tokens=sum(s.num_seqs for s in full),
+            )
+            out["decode_steps"] = {"all_decoding": len(full), "total": len(trace)}
+            out["cached_tokens"] = cached
             out["seq0_tokens"] = results[0].token_ids[:16]
             return out
 
@@ -252,7 +302,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
     prefix_ttft: JSON = {}
     if args.ttft_trials > 1 and args.worker == "tolk":
         loaded = engine.loaded
-        if prefix_cache:  # an engine owns the model's KV buffers: one live engine at a time
+        if prefix_cache:  # each engine has its own KV pools: one live engine at a time
             engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=False))
         cold = single_request_ttft(engine, prompts["ttft_texts"])
         engine = Engine(loaded, dataclasses.replace(cfg, enable_prefix_caching=True))
@@ -276,6 +326,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
         "kv_cache_mb": round(kv_bytes / 2**20, 1),
         "param_dtypes": param_dtypes,
         "engine_config": dataclasses.asdict(cfg),
+        "linear_backends": linear_backends.choices(),
     }
 
 
@@ -331,11 +382,13 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
         def __init__(self) -> None:
             self.first: float | None = None
+            self.last: float | None = None  # the last step's logits: decode = first .. last
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            sync()  # the logits are computed, not just launched
+            self.last = time.perf_counter()
             if self.first is None:
-                sync()  # the first logits are computed, not just launched
-                self.first = time.perf_counter()
+                self.first = self.last
             return scores
 
     rows = []
@@ -371,9 +424,16 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
             sync()
             total = time.perf_counter() - start
             generated = out.shape[1] - input_ids.shape[1]
-            if generated != new or clock.first is None:
+            if generated != new or clock.first is None or clock.last is None:
                 raise RuntimeError(f"transformers generated {generated} tokens, wanted {new}")
-            res = run_metrics(batch, prompt_tokens, clock.first - start, total, new)
+            res = run_metrics(
+                batch,
+                prompt_tokens,
+                clock.first - start,
+                total,
+                new,
+                decode_s=clock.last - clock.first,  # new - 1 steps of all B sequences
+            )
             res["seq0_tokens"] = out[0, input_ids.shape[1] : input_ids.shape[1] + 16].tolist()
             res["padded_prompt_tokens"] = batch * input_ids.shape[1]
             return res
@@ -386,144 +446,10 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
             getattr(model.config, "_attn_implementation", None)}  # fmt: skip
 
 
-# -- llama.cpp ----------------------------------------------------------------------------------
 def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
-    try:
-        import llama_cpp
-    except ImportError as exc:  # not built on this machine: a note, not a failure
-        return {"skipped": f"llama_cpp not importable: {exc}"}
-    import ctypes
+    from bench.engine_llamacpp import llamacpp_worker as worker
 
-    path = Path(prompts["gguf"]) if prompts.get("gguf") else gguf_path(args.model)
-    if path.suffix != ".gguf":
-        return {"skipped": f"{path} is not a GGUF file"}
-
-    @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-    def quiet(level: int, text: bytes, user_data: Any) -> None:
-        pass
-
-    llama_cpp.llama_log_set(quiet, None)
-    llama_cpp.llama_backend_init()
-    t0 = time.perf_counter()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = 0
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {path}")
-    load_s = time.perf_counter() - t0
-    vocab = llama_cpp.llama_model_get_vocab(model)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-    desc = ctypes.create_string_buffer(256)
-    llama_cpp.llama_model_desc(model, desc, len(desc))
-    # "llama 256M Q4_1" -> gguf-Q4_1; "gemma3 ?B Q4_K - Medium" -> gguf-Q4_K-Medium
-    ftype = desc.value.decode(errors="replace").split(" ", 2)[-1]
-    quant = "gguf-" + ftype.replace(" - ", "-").replace(" ", "_")
-
-    rows = []
-    ctx_info: JSON = {}
-    for batch in args.batches:
-        ids = prompts["ids"][:batch]
-        measured, ctx_info = _llamacpp_batch(llama_cpp, model, n_vocab, ids, args)
-        rows.append(row("llamacpp", args.model, quant, batch, ids) | measured)
-        log.info("llamacpp %s B=%d done", args.model, batch)
-    llama_cpp.llama_model_free(model)
-    return {
-        "dtype": quant,
-        "rows": rows,
-        "load_s": round(load_s, 2),
-        "gguf": str(path),
-        "gguf_desc": desc.value.decode(errors="replace"),
-        "llama_cpp_version": getattr(llama_cpp, "__version__", None),
-        "context": ctx_info,
-    }
-
-
-def _llamacpp_batch(
-    llama_cpp: Any, model: Any, n_vocab: int, ids: list[list[int]], args: argparse.Namespace
-) -> tuple[JSON, JSON]:
-    """Measure one batch size: a fresh context with one sequence id per prompt."""
-    import numpy as np
-
-    new, chunk, batch = args.new_tokens, args.llamacpp_n_batch, len(ids)
-    per_seq = -(-(max(len(x) for x in ids) + new + 8) // 256) * 256  # KV cells per sequence
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = per_seq * batch
-    cparams.n_batch = chunk
-    cparams.n_ubatch = chunk
-    cparams.n_seq_max = batch
-    cparams.n_threads = args.threads
-    cparams.n_threads_batch = args.threads
-    cparams.no_perf = True
-    if hasattr(cparams, "kv_unified"):
-        cparams.kv_unified = args.llamacpp_kv_unified
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    if not ctx:
-        raise RuntimeError(f"llama.cpp context for {batch} sequences failed")
-    ctx_info = {
-        "n_ctx": llama_cpp.llama_n_ctx(ctx),
-        "n_batch": chunk,
-        "kv_unified": getattr(cparams, "kv_unified", None),
-        "flash_attn": _flash_attn_setting(cparams),
-    }
-    lbatch = llama_cpp.llama_batch_init(max(chunk, batch), 0, 1)
-    memory = llama_cpp.llama_get_memory(ctx)
-
-    def decode(tokens: Sequence[tuple[int, int, int, bool]]) -> None:
-        """tokens: (token, pos, seq_id, wants_logits)."""
-        lbatch.n_tokens = len(tokens)
-        for i, (tok, pos, seq, logits) in enumerate(tokens):
-            lbatch.token[i] = tok
-            lbatch.pos[i] = pos
-            lbatch.n_seq_id[i] = 1
-            lbatch.seq_id[i][0] = seq
-            lbatch.logits[i] = logits
-        rc = llama_cpp.llama_decode(ctx, lbatch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-
-    def argmax_row(i: int) -> int:
-        ptr = llama_cpp.llama_get_logits_ith(ctx, i)
-        return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
-
-    def once() -> JSON:
-        llama_cpp.llama_memory_clear(memory, True)
-        flat = [(tok, pos, seq, pos == len(x) - 1)
-                for seq, x in enumerate(ids) for pos, tok in enumerate(x)]  # fmt: skip
-        last: list[int] = [0] * batch
-        start = time.perf_counter()
-        for c in range(0, len(flat), chunk):  # prefill, `chunk` tokens per llama_decode
-            part = flat[c : c + chunk]
-            decode(part)
-            for i, (_, _, seq, wants) in enumerate(part):
-                if wants:
-                    last[seq] = argmax_row(i)
-        ttft = time.perf_counter() - start
-        seq0 = [last[0]]
-        for step in range(new - 1):  # decode: one token per sequence per llama_decode
-            decode([(last[s], len(ids[s]) + step, s, True) for s in range(batch)])
-            logits = np.ctypeslib.as_array(
-                llama_cpp.llama_get_logits(ctx), shape=(batch, n_vocab)
-            )  # [B, V]: outputs in batch order
-            last = logits.argmax(axis=1).tolist()
-            if len(seq0) < 16:
-                seq0.append(last[0])
-        total = time.perf_counter() - start
-        res = run_metrics(batch, sum(len(x) for x in ids), ttft, total, new)
-        res["seq0_tokens"] = seq0
-        return res
-
-    try:
-        return measure(once, args.repeats), ctx_info
-    finally:
-        llama_cpp.llama_batch_free(lbatch)
-        llama_cpp.llama_free(ctx)
-
-
-def _flash_attn_setting(cparams: Any) -> Any:
-    for name in ("flash_attn_type", "flash_attn"):
-        if hasattr(cparams, name):
-            return {name: getattr(cparams, name)}
-    return None
+    return worker(args, prompts)
 
 
 WORKERS: dict[str, Callable[[argparse.Namespace, JSON], JSON]] = {
@@ -531,6 +457,7 @@ WORKERS: dict[str, Callable[[argparse.Namespace, JSON], JSON]] = {
     "tolk-prefix": tolk_worker,
     "hf": hf_worker,
     "llamacpp": llamacpp_worker,
+    "llamacpp-prefix": llamacpp_worker,
 }
 
 
@@ -569,46 +496,55 @@ def common_prefix(a: Sequence[int] | None, b: Sequence[int] | None) -> int | Non
 
 
 def ratios(rows: list[JSON]) -> list[JSON]:
-    """tolk / transformers and tolk / llama.cpp per (model, batch), on medians."""
+    """tolk / transformers and tolk / llama.cpp per (model, batch), on medians.
+
+    `tolk/llamacpp` divides by the better of `llamacpp` and `llamacpp-prefix` at the same
+    batch size; `tolk/llamacpp_best` by llama.cpp's best median over both systems and all batch
+    sizes (llama.cpp's aggregate peaks at a moderate batch)."""
     by_key = {(r["system"], r["model"], r["batch"]): r for r in rows}
     out = []
 
-    def med(r: JSON | None, k: str) -> float | None:
-        return r[k]["median"] if r is not None else None
+    def med(r: JSON, k: str) -> float | None:
+        return r[k]["median"] if r.get(k) else None
+
+    def compare(tolk: JSON, ref: JSON) -> JSON:
+        return {
+            "other": ref["system"],
+            "other_batch": ref["batch"],
+            "other_dtype": ref["dtype"],
+            **{
+                k: safe_ratio(med(tolk, k), med(ref, k))
+                for k in ("decode_tok_s", "aggregate_tok_s", "prefill_tok_s", "ttft_s")
+            },
+            "greedy_tokens_agree": common_prefix(tolk.get("seq0_tokens"), ref.get("seq0_tokens")),
+        }
 
     for (system, model, batch), tolk in sorted(by_key.items(), key=lambda kv: kv[0][1:]):
         if system not in TOLK_SYSTEMS:
             continue
         entry: JSON = {"system": system, "model": model, "batch": batch, "dtype": tolk["dtype"]}
-        for other in ("hf", "llamacpp"):
-            ref = by_key.get((other, model, batch))
-            if ref is None:
-                continue
-            entry[f"tolk/{other}"] = {
-                "other_dtype": ref["dtype"],
-                "decode_tok_s": safe_ratio(med(tolk, "decode_tok_s"), med(ref, "decode_tok_s")),
-                "aggregate_tok_s": safe_ratio(
-                    med(tolk, "aggregate_tok_s"), med(ref, "aggregate_tok_s")
-                ),
-                "prefill_tok_s": safe_ratio(med(tolk, "prefill_tok_s"), med(ref, "prefill_tok_s")),
-                "ttft_s": safe_ratio(med(tolk, "ttft_s"), med(ref, "ttft_s")),
-                "greedy_tokens_agree": common_prefix(
-                    tolk.get("seq0_tokens"), ref.get("seq0_tokens")
-                ),
-            }
-        llama = [r for (s, m, _), r in by_key.items() if s == "llamacpp" and m == model]
-        if llama:
-            best_decode = max(llama, key=lambda r: r["decode_tok_s"]["median"])
-            best_agg = max(llama, key=lambda r: r["aggregate_tok_s"]["median"])
+        hf = by_key.get(("hf", model, batch))
+        if hf is not None:
+            entry["tolk/hf"] = compare(tolk, hf)
+        same_batch = [
+            by_key[k] for k in ((s, model, batch) for s in LLAMACPP_SYSTEMS) if k in by_key
+        ]
+        if same_batch:
+            best = max(same_batch, key=lambda r: r["decode_tok_s"]["median"])
+            entry["tolk/llamacpp"] = compare(tolk, best)
+        every = [r for (s, m, _), r in by_key.items() if s in LLAMACPP_SYSTEMS and m == model]
+        if every:
+            best_decode = max(every, key=lambda r: r["decode_tok_s"]["median"])
+            best_agg = max(every, key=lambda r: r["aggregate_tok_s"]["median"])
             entry["tolk/llamacpp_best"] = {
                 "decode_tok_s": safe_ratio(
                     med(tolk, "decode_tok_s"), med(best_decode, "decode_tok_s")
                 ),
-                "llamacpp_best_decode_batch": best_decode["batch"],
+                "llamacpp_best_decode": f"{best_decode['system']} B={best_decode['batch']}",
                 "aggregate_tok_s": safe_ratio(
                     med(tolk, "aggregate_tok_s"), med(best_agg, "aggregate_tok_s")
                 ),
-                "llamacpp_best_aggregate_batch": best_agg["batch"],
+                "llamacpp_best_aggregate": f"{best_agg['system']} B={best_agg['batch']}",
             }
         out.append(entry)
     return out

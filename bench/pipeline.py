@@ -3,7 +3,12 @@
     python -m bench.pipeline --rate 2 --duration 30 --model smollm2-135m --out pipeline.json
 
 One process holds one engine and one worker thread on it (the local stack must run:
-`bash compose/stack.sh up`). On the same engine, with the same sentence mix:
+`bash compose/stack.sh up`). The engine is the one `tolk worker` serves with:
+`build_fair_engine` (weighted fair share over the languages, deadline admission, language
+prefixes warmed at start-up, `workers/serving/fair_engine.py`). Every run below gets texts that
+no earlier run of the process sent (disjoint slices of one shuffled pool of distinct sentences),
+so no run is served from the prompts an earlier run left in the prefix cache; only the language
+prefixes are shared, as in production. On that engine:
 
 (a) engine alone at saturation: every request of the mix submitted at once straight to the
     engine (`submit_translation`, as the worker does); requests/s and tokens/s.
@@ -18,7 +23,7 @@ One process holds one engine and one worker thread on it (the local stack must r
     (target >= 0.9).
 
 (a) and (c) alternate `--repeats` times (medians reported) so that a noisy neighbour on a shared
-machine hits both alike. Prefix caches are warmed, and a warm-up round goes through Kafka first.
+machine hits both alike. A warm-up round (its own texts) goes through Kafka and the engine first.
 Prints one JSON object; `--out` also writes it to a file. Seeds are fixed.
 """
 
@@ -44,9 +49,10 @@ Item = tuple[str, str, str]  # (text, source_lang, target_lang)
 
 
 def build_mix(n: int, languages: Sequence[str], seed: int = 0) -> list[Item]:
-    """`n` requests over `languages` (targets), interleaved: English sources from Tatoeba for
-    de/fr/es/it (half of German from the agents' BConTrasT turns), German customer turns for
-    en. Short chat-like texts, as support traffic is."""
+    """`n` distinct requests over `languages` (targets), interleaved: English sources from
+    Tatoeba for de/fr/es/it (half of German from the agents' BConTrasT turns), German customer
+    turns for en. Short chat-like texts, as support traffic is. Raises when the data has fewer
+    distinct texts than asked for."""
     from replay.datasets import bcontrast, tatoeba_pairs
 
     rng = random.Random(seed)
@@ -59,9 +65,33 @@ def build_mix(n: int, languages: Sequence[str], seed: int = 0) -> list[Item]:
             if lang == "de":
                 agents = [u.source for u in bcontrast("dev") if u.speaker == "agent"]
                 pool = [(t, "en", "de") for t in agents if len(t) <= 100] + pool
+        pool = list(dict.fromkeys(pool))  # distinct, first occurrence kept
         rng.shuffle(pool)
         pools[lang] = pool
+    per_lang = -(-n // len(languages))
+    short = {lang: len(p) for lang, p in pools.items() if len(p) < per_lang}
+    if short:
+        raise ValueError(f"{n} requests need {per_lang} distinct texts per language; have {short}")
     return [pools[languages[i % len(languages)]][i // len(languages)] for i in range(n)]
+
+
+class FreshTexts:
+    """Hands out slices of one mix in order, so no two runs of the benchmark share a text."""
+
+    def __init__(self, mix: Sequence[Item]) -> None:
+        self._mix = list(mix)
+        self._next = 0
+
+    def take(self, n: int) -> list[Item]:
+        if self._next + n > len(self._mix):
+            raise ValueError(f"out of fresh texts: {len(self._mix)} in the pool")
+        out = self._mix[self._next : self._next + n]
+        self._next += n
+        return out
+
+    @property
+    def used(self) -> int:
+        return self._next
 
 
 def percentiles_ms(values_s: Sequence[float]) -> JSON:
@@ -235,7 +265,9 @@ def open_loop(
 ) -> JSON:
     run = uuid.uuid4().hex[:8]
     n = max(1, int(rate * duration_s))
-    items = [mix[i % len(mix)] for i in range(n)]
+    if n > len(mix):
+        raise ValueError(f"open loop needs {n} texts, got {len(mix)}")
+    items = list(mix[:n])
     rids = [f"ol-{run}-{i}" for i in range(n)]
     scheduled: dict[str, float] = {}
     late: list[float] = []  # how far behind schedule each send actually went out
@@ -325,8 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from topics.admin import ensure_topics
     from topics.catalog import REPLIES, catalog
-    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.engine import EngineConfig
     from workers.fairness.policy import LanguagePolicy
+    from workers.serving.fair_engine import build_fair_engine
     from workers.settings import Settings
     from workers.worker import Worker
 
@@ -334,22 +367,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[bench.pipeline] {msg}", file=sys.stderr, flush=True)
 
     langs = tuple(parse_csv(args.languages))
-    mix = build_mix(args.requests, langs, args.seed)
+    # warm-up + (a) and (c) per repeat + the open loop (its rate is known only after (a): room
+    # for up to 4x the requests of one saturation run)
+    texts = FreshTexts(build_mix(16 + (2 * args.repeats + 4) * args.requests, langs, args.seed))
     prefix = f"bench-{uuid.uuid4().hex[:8]}."
     specs = catalog(langs, partitions=3, prefix=prefix)
     ensure_topics(args.bootstrap, specs, timeout=30)
 
     t_load = time.perf_counter()
-    engine = Engine.from_config(
-        EngineConfig(model=args.model, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
-    )
-    engine.warm(langs)
-    note(f"engine {args.model} loaded and warmed in {time.perf_counter() - t_load:.1f}s")
     policy = LanguagePolicy(1.0, 10.0, 1024, args.max_new_tokens)
+    policies = {lang: policy for lang in langs}
+    engine = build_fair_engine(  # as `tolk worker` builds it (workers/cli.py)
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_new_tokens=args.max_new_tokens,
+            warm_languages=langs,
+        ),
+        policies,
+    )
+    note(f"engine {args.model} loaded and warmed in {time.perf_counter() - t_load:.1f}s")
     settings = Settings(
         bootstrap=args.bootstrap, redis_url=args.redis_url, group_id=f"{prefix}workers",
         languages=langs, topic_prefix=prefix, metrics_port=0, worker_id="bench-worker",
-        policies={lang: policy for lang in langs},
+        policies=policies,
     )  # fmt: skip
     worker = Worker(settings, engine, registry=CollectorRegistry())
     stop = threading.Event()
@@ -360,23 +401,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not worker.assigned_event.wait(60):
             raise RuntimeError("the worker got no partitions")
-        warm = build_mix(16, langs, args.seed + 1)
-        kafka_saturation(sender, replies, warm)  # metadata, connections, code paths
-        engine_alone(engine, warm, args.max_new_tokens)
+        warm = texts.take(16)
+        kafka_saturation(sender, replies, warm[:8])  # metadata, connections, code paths
+        engine_alone(engine, warm[8:], args.max_new_tokens)
         note("warm-up done")
 
         alone: list[JSON] = []
         via_kafka: list[JSON] = []
         for i in range(args.repeats):
-            alone.append(engine_alone(engine, mix, args.max_new_tokens))
+            alone.append(engine_alone(engine, texts.take(args.requests), args.max_new_tokens))
             note(f"(a) engine alone #{i + 1}: {alone[-1]['requests_per_s']} req/s")
-            via_kafka.append(kafka_saturation(sender, replies, mix))
+            via_kafka.append(kafka_saturation(sender, replies, texts.take(args.requests)))
             note(f"(c) kafka saturated #{i + 1}: {via_kafka[-1].get('requests_per_s')} req/s")
         a_rps = statistics.median(r["requests_per_s"] for r in alone)
         c_rps = statistics.median(r.get("requests_per_s", 0.0) for r in via_kafka)
         rate = args.rate if args.rate is not None else round(a_rps / 2, 3)
         note(f"(b) open loop at {rate} req/s for {args.duration}s")
-        ol = open_loop(sender, replies, mix, rate, args.duration, drain_timeout_s=600)
+        n_open = max(1, int(rate * args.duration))
+        ol = open_loop(sender, replies, texts.take(n_open), rate, args.duration, 600)
 
         result["engine_alone"] = {
             "requests_per_s": summarize([r["requests_per_s"] for r in alone]),
@@ -399,9 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["open_loop"] = ol
         result["duplicates"] = replies.duplicates
         result["engine"] = {
+            "serving": "build_fair_engine (VTC fair share + deadline admission), as tolk worker",
             "model_version": engine.model_version,
-            "config": dataclasses.asdict(engine.config),
-            "preemptions": engine.stats.preemptions,
+            "config": dataclasses.asdict(engine.engine.config),
+            "preemptions": engine.engine.stats.preemptions,
+            "fresh_texts_used": texts.used,
         }
     finally:
         stop.set()

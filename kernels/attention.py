@@ -41,8 +41,8 @@ Everything derived from the metadata alone (the decode path's block ids and mask
 split) is built by the first layer that needs it and memoized on the step's metadata.
 
 Softmax runs in float32 as Hugging Face's eager attention does. This module is a leaf: it imports
-torch and `kernels.cpu_ops` only. Faster versions (Triton, CUDA) keep these signatures and are
-chosen by `kernels.get_op`.
+torch and `kernels.cpu_ops` only. A faster version of an op (C++ here; a GPU kernel later)
+keeps its signature and is chosen inside the op by device and dtype.
 """
 
 from __future__ import annotations
@@ -213,6 +213,14 @@ class DecodeBatch:
         )
 
 
+def gather_blocks(cache: Tensor, blocks: Tensor) -> Tensor:
+    """`cache[blocks]` for a pool [N, BS, KVH, D] and block ids of any shape -> [*blocks, BS, KVH,
+    D], as one `index_select` of whole blocks: advanced indexing computes an offset per element
+    and ran 2-3x slower for the decode gathers (one thread, EPYC Zen 4: B=8 x 20 blocks 211 ->
+    61 us)."""
+    return cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
+
+
 def write_kv_decode(
     k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, batch: DecodeBatch
 ) -> None:
@@ -341,8 +349,8 @@ def _decode_attention(
         plan = meta._decode_plans[window] = _decode_plan(
             meta, block_size, window, cascade=softcap is None
         )
-    k = k_cache[plan.blocks].view(b, plan.n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
-    v = v_cache[plan.blocks].view(b, plan.n_blocks * block_size, kvh, d)  # [B, L, KVH, D]
+    k = gather_blocks(k_cache, plan.blocks).view(b, -1, kvh, d)  # [B, L, KVH, D]
+    v = gather_blocks(v_cache, plan.blocks).view(b, -1, kvh, d)  # [B, L, KVH, D]
     if plan.shared:
         return _cascade_attention(q, k, v, k_cache, v_cache, plan, scale)
 
@@ -406,7 +414,7 @@ def _cascade_attention(
             span = slice(shared.first_block, shared.first_block + shared.blocks.numel())
             kp, vp = k_cache[span], v_cache[span]
         else:
-            kp, vp = k_cache[shared.blocks], v_cache[shared.blocks]
+            kp, vp = gather_blocks(k_cache, shared.blocks), gather_blocks(v_cache, shared.blocks)
         kp = kp.reshape(-1, kvh, d).transpose(0, 1)[None]  # [1, KVH, P, D]
         vp = vp.reshape(-1, kvh, d).transpose(0, 1)[None]
         qp = q.index_select(0, shared.rows).view(r, kvh, g, d).transpose(0, 1)  # [KVH, R, G, D]
@@ -539,8 +547,8 @@ def _varlen_attention(
         first_pos = 0 if window is None else max(0, s_len - q_len - window + 1)
         first_block, end_block = first_pos // block_size, -(-s_len // block_size)
         blocks = meta.block_tables[b, first_block:end_block].long()  # [n]
-        k = k_cache[blocks].view(-1, kvh, d)  # [S, KVH, D] from position first_block * bs
-        v = v_cache[blocks].view(-1, kvh, d)
+        k = gather_blocks(k_cache, blocks).view(-1, kvh, d)  # [S, KVH, D] from first_block * bs
+        v = gather_blocks(v_cache, blocks).view(-1, kvh, d)
         k_pos = torch.arange(first_block * block_size, end_block * block_size, device=q.device)
         q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
         valid = k_pos[None, :] <= q_pos[:, None]  # [Lq, S]

@@ -79,7 +79,7 @@ class EngineConfig:
     # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
     compile_decode: bool = False
     compile_max_batch: int = 8
-    pack_weights: bool = True  # CPU float32: MKL pre-packed projections (workers/engine/swaps.py)
+    pack_weights: bool = True  # CPU float32: projections via the probed fastest GEMM (swaps.py)
     # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
     # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
     screen_lm_head: bool = True

@@ -9,7 +9,7 @@ weights; and every engine hung its KV pools on the one model, so two live engine
 other's blocks.
 
 `prepare_model(loaded, Preparation(...)) -> PreparedModel` runs the swaps in their one valid
-order (fused q/k/v -> int8 weights -> the LM head's int8 screen -> MKL packing) and keeps the
+order (fused q/k/v -> int8 weights -> the LM head's int8 screen -> probed packing) and keeps the
 record on the model (a plain attribute of the `Transformer`). Preparing the same model again:
 - with the same swaps returns that record: nothing is fused, quantized or packed twice;
 - with other model-changing swaps (`fuse_qkv`, `quantize`, `pack_weights`) raises
@@ -33,6 +33,7 @@ own.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor
 
 from kernels.greedy_head import Int8Screen
-from workers.engine import hugepages
+from workers.engine import hugepages, linear_backends
 from workers.engine.loader import LoadedModel
 from workers.engine.model import Attention, Block, Transformer
 from workers.engine.swaps import (
@@ -53,6 +54,8 @@ from workers.engine.swaps import (
     pack_linears,
     screen_lm_head,
 )
+
+log = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "int8")
 _RECORD_ATTR = "_tolk_prepared"  # the PreparedModel, a plain attribute of the Transformer
@@ -69,7 +72,7 @@ class Preparation:
 
     fuse_qkv: bool = True  # Llama: one q/k/v projection, bit-identical
     quantize: str | None = None  # None or "int8": weight-only int8 projections and LM head
-    pack_weights: bool = True  # CPU float32: MKL pre-packed projections
+    pack_weights: bool = True  # CPU float32: projections through the probed fastest GEMM
     # CPU float32: an int8 screen of the LM head for greedy rows (the model is unchanged)
     screen_lm_head: bool = True
 
@@ -206,6 +209,8 @@ def prepare_model(loaded: LoadedModel, preparation: Preparation | None = None) -
         screen = screen_lm_head(model) if asked.screen_lm_head else None
         # no-op unless float32 nn.Linear on the CPU
         packed = pack_linears(model) if asked.pack_weights else 0
+        if packed:
+            log.info("projection backends per row bucket: %s", linear_backends.summary())
         record = PreparedModel(
             loaded=loaded,
             preparation=asked,

@@ -4,13 +4,11 @@ The swaps change the model in place and cannot be undone, so they run once per l
 through `workers/engine/prepare.py`'s `prepare_model` (which also records them and refuses a
 second, different preparation); engines never call them directly.
 
-- `pack_linears(model)`: on CPU in float32, every `nn.Linear` becomes `MKLPackedLinear`, whose
-  weight is pre-packed once for MKL's packed GEMM (`cblas_sgemm_pack`, the op inductor uses
-  when it freezes a CPU graph). The small-M GEMMs of decode and of short prefill chunks skip
-  MKL's per-call packing of the weight: about 30% less time per projection at batch 32 and
-  2-4x less at 4-24 rows. Results equal `F.linear`'s up to float32 rounding (bit-identical
-  under 4 rows; tests/engine/test_swaps.py). Costs about 3x the linear weights' memory, so
-  huge matrices (a 262k-vocab LM head) are left alone.
+- `pack_linears(model)`: on CPU in float32, every projection becomes a `ProbedLinear`
+  (`workers/engine/linear_backends.py`): per weight shape and row count, the fastest of
+  `F.linear`, MKL's packed GEMM and oneDNN's packed inner product on *this* machine, chosen by
+  a probe at preparation (MKL's fast paths are Intel's; on an AMD EPYC oneDNN's JIT wins).
+  Results equal `F.linear`'s up to float32 rounding. LM heads are left alone.
 - `fuse_qkv(model)`: attention without QK-norm (Llama) gets one q/k/v projection and RoPE over
   q and k heads at once (~7 fewer ops per layer, bit-identical). SmolLM2 decode step: B=1
   37.3 -> 35.4 ms, B=32 (prefix shared) 94 -> 92 ms.
@@ -40,6 +38,7 @@ from kernels import cpu_ops
 from kernels.greedy_head import Int8Screen
 from kernels.int8_linear import int8_linear, quantize_int8
 from workers.engine.hugepages import to_huge_pages
+from workers.engine.linear_backends import ProbedLinear, probed_linears_available
 
 
 class WeightOnlyInt8Linear(nn.Module):
@@ -67,64 +66,13 @@ class WeightOnlyInt8Linear(nn.Module):
         return int8_linear(x, self.weight, self.scales)
 
 
-class MKLPackedLinear(nn.Module):
-    """`F.linear` with the weight pre-packed for MKL (float32, CPU).
+def pack_linears(model: nn.Module, max_numel: int = 8_000_000) -> int:
+    """Swap float32 CPU `nn.Linear`s for `ProbedLinear`; returns how many were swapped.
 
-    torch's `mkl::_mkl_linear(x, packed, weight, bias, batch_size)` runs MKL's packed GEMM when
-    `x` has exactly `batch_size` rows and plain `F.linear` otherwise. The packed buffer does not
-    depend on that size (MKL packs the weight by its N and K: the same bytes for hints 1 to 64),
-    so passing each call's own row count runs the packed GEMM at every M: on this CPU 2-4x
-    faster than the plain GEMM from 4 to 48 rows (Gemma's MLP down projection at 16 rows: 650
-    -> 170 us), on par above. Under 4 rows the plain GEMM is as fast, so it runs there. Since
-    MKL documents the packed buffer for the packing size only, every layer checks the other
-    sizes once at construction against `F.linear` (`any_rows`) and keeps to `batch_hint` rows
-    if they differ beyond float32 rounding.
-    """
-
-    weight: Tensor
-    packed: Tensor
-    MIN_PACKED_ROWS = 4
-    PROBE_ROWS = (4, 7, 16, 33)
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = 32) -> None:
-        super().__init__()
-        assert linear.bias is None, "the model's projections have no bias"
-        self.out_features: int = linear.out_features
-        self.batch_hint: int = batch_hint
-        w = linear.weight.detach()
-        self.register_buffer("weight", w)
-        self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w, batch_hint))
-        self.any_rows: bool = self._packed_matches_plain()
-
-    def _packed_matches_plain(self) -> bool:
-        gen = torch.Generator().manual_seed(0)
-        for m in self.PROBE_ROWS:
-            x = torch.randn(m, self.weight.shape[1], generator=gen)
-            got = torch.ops.mkl._mkl_linear(x, self.packed, self.weight, None, m)
-            want = torch.nn.functional.linear(x, self.weight)
-            scale = float(torch.nn.functional.linear(x.abs(), self.weight.abs()).max())
-            if not torch.allclose(got, want, rtol=0.0, atol=1e-5 * max(scale, 1e-30)):
-                return False
-        return True
-
-    def forward(self, x: Tensor) -> Tensor:
-        if torch.compiler.is_compiling():  # inductor packs the weight its own way
-            return torch.nn.functional.linear(x, self.weight)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])  # [M, K]
-        m = x2.shape[0]
-        rows = m if self.any_rows and m >= self.MIN_PACKED_ROWS else self.batch_hint
-        y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, rows)
-        return y.reshape(*shape[:-1], self.out_features)
-
-
-def mkl_packing_available() -> bool:
-    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-def pack_linears(model: nn.Module, max_numel: int = 64_000_000) -> int:
-    """Swap float32 CPU `nn.Linear`s for `MKLPackedLinear`; returns how many were swapped."""
-    if not mkl_packing_available():
+    Each distinct weight shape is probed once (`linear_backends.probe_shape`). Matrices above
+    `max_numel` (LM heads: greedy rows use the int8 screen, not the float32 GEMM) are left
+    alone."""
+    if not probed_linears_available():
         return 0
     swapped = 0
     for module in list(model.modules()):
@@ -137,7 +85,7 @@ def pack_linears(model: nn.Module, max_numel: int = 64_000_000) -> int:
                 and w.device.type == "cpu"
                 and w.numel() <= max_numel
             ):
-                setattr(module, child_name, MKLPackedLinear(child))
+                setattr(module, child_name, ProbedLinear(child))
                 swapped += 1
     return swapped
 
