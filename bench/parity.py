@@ -5,7 +5,7 @@ the same thing where an assertion would be the wrong tool: on a GPU, and in bflo
 correct implementations may part at a near-tie (different reduction orders round differently),
 so the useful output is how many prompts agree and how close to a tie each divergence was.
 
-Per model: `--prompts` (32) translation requests from `../shared/data` (several language pairs,
+Per model: `--prompts` (32) translation requests from `data/` (several language pairs,
 `replay.datasets.mixed_translation_set`), `--new-tokens` (48) greedy tokens, EOS ignored.
 - reference: transformers `generate` at batch 1 on the same dequantized weights, device, dtype
   (`eos_token_id=None`: it runs on past EOS as the engine does with `ignore_eos`, neither side

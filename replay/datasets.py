@@ -1,12 +1,17 @@
-"""Readers for the public data sets in `shared/data` (their own formats, no hand-edited copies).
+"""Readers for the public data sets in the repository's `data/` (their own formats, no
+hand-edited copies).
 
 - `tatoeba_laser/tatoeba.<xxx>-eng.<xxx|eng>`: line-aligned short sentence pairs;
 - `flores200_devtest/<xxx>.devtest`: the same 1,012 sentences in five languages;
 - `bcontrast_wmt20_chat/{train,dev}.json`: customer (de) / agent (en) dialogues with targets;
 - `xsid/<lang>.valid.conll`: voice-assistant commands (`# text = ...` lines).
 
-Used by the replay worker, the demo, the benchmarks and the tests. The root is
-`$TOLK_DATA_DIR`, else the first of `../shared/data` beside the checkout and `/work/shared/data`.
+Used by the benchmarks and the tests (there is no replay worker yet: `replay/` is these
+readers). One lookup decides where the data lives, `data_dir()`:
+`$TOLK_DATA_DIR` if set, else `data/` at the top of the checkout, found relative to this file
+(an installed wheel has no `data/`; set the variable there). There is no fallback: a missing
+directory or file raises `DataNotFoundError` naming the path and the variable, so a test or a
+benchmark never runs hollow on built-in sentences.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ISO3 = {"en": "eng", "de": "deu", "fr": "fra", "es": "spa", "it": "ita"}
+DATA_DIR_ENV = "TOLK_DATA_DIR"
+# replay/datasets.py -> the checkout's top level -> data/
+REPO_DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set directory or file is missing (the message says which and how to point at it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +44,29 @@ class Utterance:
 
 
 def data_dir() -> Path:
-    env = os.environ.get("TOLK_DATA_DIR")
-    candidates = [Path(env)] if env else []
-    beside_checkout = Path(__file__).resolve().parents[2] / "shared" / "data"
-    candidates += [beside_checkout, Path("/work/shared/data")]
-    for c in candidates:
-        if c.is_dir():
-            return c
-    raise FileNotFoundError(
-        "shared data not found; set TOLK_DATA_DIR (looked in: "
-        + ", ".join(str(c) for c in candidates)
-        + ")"
-    )
+    """The data root: `$TOLK_DATA_DIR` if set, else the checkout's `data/`. Read on each call
+    (never at import), so a test or a benchmark may set the variable first."""
+    env = os.environ.get(DATA_DIR_ENV)
+    root = Path(env) if env else REPO_DATA_DIR
+    if not root.is_dir():
+        origin = f"${DATA_DIR_ENV}" if env else f"the checkout's data/ (${DATA_DIR_ENV} is unset)"
+        raise DataNotFoundError(
+            f"data directory {root} not found ({origin}); set {DATA_DIR_ENV} to a copy of the "
+            "repository's data/ directory"
+        )
+    return root
+
+
+def data_file(relative: str | Path, root: Path | None = None) -> Path:
+    """`root / relative` (root defaults to `data_dir()`), which must exist."""
+    base = root or data_dir()
+    path = base / relative
+    if not path.is_file():
+        raise DataNotFoundError(
+            f"data file {path} not found (data directory {base}, set by ${DATA_DIR_ENV} or the "
+            "checkout's data/)"
+        )
+    return path
 
 
 def _lines(path: Path) -> list[str]:
@@ -53,18 +76,17 @@ def _lines(path: Path) -> list[str]:
 def tatoeba_pairs(lang: str, root: Path | None = None) -> list[tuple[str, str]]:
     """(english, other) pairs for lang in de/fr/es/it."""
     code = ISO3[lang]
-    base = (root or data_dir()) / "tatoeba_laser"
-    eng = _lines(base / f"tatoeba.{code}-eng.eng")
-    other = _lines(base / f"tatoeba.{code}-eng.{code}")
+    eng = _lines(data_file(f"tatoeba_laser/tatoeba.{code}-eng.eng", root))
+    other = _lines(data_file(f"tatoeba_laser/tatoeba.{code}-eng.{code}", root))
     return list(zip(eng, other, strict=True))
 
 
 def flores(lang: str, root: Path | None = None) -> list[str]:
-    return _lines((root or data_dir()) / "flores200_devtest" / f"{ISO3[lang]}.devtest")
+    return _lines(data_file(f"flores200_devtest/{ISO3[lang]}.devtest", root))
 
 
 def xsid_texts(lang: str, root: Path | None = None) -> list[str]:
-    path = (root or data_dir()) / "xsid" / f"{lang}.valid.conll"
+    path = data_file(f"xsid/{lang}.valid.conll", root)
     return [
         line.split("=", 1)[1].strip()
         for line in path.open(encoding="utf-8")
@@ -74,7 +96,7 @@ def xsid_texts(lang: str, root: Path | None = None) -> list[str]:
 
 def bcontrast(split: str = "dev", root: Path | None = None) -> Iterator[Utterance]:
     """Utterances in conversation order; customers write German, agents English."""
-    path = (root or data_dir()) / "bcontrast_wmt20_chat" / f"{split}.json"
+    path = data_file(f"bcontrast_wmt20_chat/{split}.json", root)
     with path.open(encoding="utf-8") as f:
         dialogues: dict[str, list[dict[str, object]]] = json.load(f)
     for conv_id, turns in dialogues.items():

@@ -1,14 +1,17 @@
-"""Shared fixtures: real models loaded once per session, and a minimal paged greedy driver.
+"""Shared fixtures: real models loaded once per session, the data directory, and a minimal
+paged greedy driver.
 
 The model fixtures load the GGUF presets through `workers.engine.loader` (the first run
 dequantizes and caches them, ~80 s for Gemma; later runs read the cache). Tests that use them
-are marked `slow`.
+are marked `slow`. `data_dir` is `replay.datasets.data_dir()` (the repository's data/ or
+$TOLK_DATA_DIR); missing data fails the test, it never skips. The Kafka and redis fixtures
+live in `tests/kafka_fixtures.py` (they start the local stack when it is not running); the
+terminal summary says when they did.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,13 +23,23 @@ import torch
 from kernels.attention import AttentionMetadata
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say so when the session started the local stack (`tests/kafka_fixtures.py`): it is
+    left running for the next run."""
+    from tests.kafka_fixtures import STACK_LEFT_RUNNING, session_stack_start
+
+    start = session_stack_start()
+    if start is not None and start.ok:
+        terminalreporter.write_line(f"tolk: {STACK_LEFT_RUNNING}")
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The shared public data sets (/work/shared/data, or $TOLK_DATA_DIR)."""
-    path = Path(os.environ.get("TOLK_DATA_DIR", "/work/shared/data"))
-    if not path.is_dir():
-        pytest.skip(f"data directory {path} not found")
-    return path
+    """The public data sets: `replay.datasets.data_dir()` (the checkout's data/, or
+    $TOLK_DATA_DIR). Missing data is an error, never a skip."""
+    from replay.datasets import data_dir as find_data_dir
+
+    return find_data_dir()
 
 
 def _load(preset: str) -> Any:

@@ -1,6 +1,6 @@
 """Engine parity on real weights: tolk's tokens == transformers' greedy tokens.
 
-For each model, 32 translation prompts built from shared/data (several language pairs), 48 new
+For each model, 32 translation prompts built from data/ (several language pairs), 48 new
 tokens, float32:
 - batch 1 through the engine with the prefix cache on (the per-language prefix is warm, so only
   the request's own tokens are prefilled): every prompt equal to transformers at batch 1;
@@ -24,7 +24,17 @@ pytestmark = pytest.mark.slow
 
 N_PROMPTS = 32
 NEW_TOKENS = 48
-NEAR_TIE = 0.5  # logit gap under which a batched-GEMM divergence is acceptable
+# Logit gap (reference top-1 minus top-2) under which a batched-GEMM divergence is acceptable.
+# A batch can flip the greedy token only where the gap is at most |d top1| + |d top2| <= 2 E,
+# E the largest float32 logit difference between the batched run and the reference. Measured
+# once (float32, CPU, 1 thread, both models, this test's 32 prompts x 48 tokens: every
+# position of the staggered batch compared with the engine at batch 1 and with transformers'
+# `generate` logits, max abs over the vocab): SmolLM2 batched vs batch-1 1.6e-4, vs
+# transformers 1.4e-4; Gemma 3 7.3e-5 and 7.9e-5. Neither model diverged anywhere (0/32 each),
+# so there was no gap to report. E <= 1.6e-4, so 2 E = 3.2e-4; the bound below is about
+# 3 x that (6 E), room for other thread counts and CPUs; a divergence at a larger gap is not
+# float32 rounding but a bug.
+NEAR_TIE = 1e-3
 
 
 def _requests(engine: Engine, tag: str) -> list[GenerationRequest]:
@@ -112,7 +122,7 @@ def _check(name: str, loaded: Any, ref: Any) -> None:
                 j for j, (a, b) in enumerate(zip(batched[i], expected[i], strict=True)) if a != b
             )
             gap = _gap_at(ref, prompts[i], expected[i], pos)
-            report.append((i, pos, round(gap, 4)))
+            report.append((i, pos, float(f"{gap:.3g}")))
     print(f"{name}: continuous batching diverged on {len(report)}/32 (prompt, pos, gap): {report}")
     assert len(report) <= 2, f"{name}: too many divergences {report}"
     assert all(gap < NEAR_TIE for _, _, gap in report), f"{name}: not near-ties {report}"

@@ -1,7 +1,7 @@
 """Our paged model against transformers on real weights: same greedy tokens, token for token.
 
 Both sides run float32 on the CPU with the same dequantized weights (the loader's cache is an HF
-checkpoint directory, read by both). Prompts are real sentences from /work/shared/data in several
+checkpoint directory, read by both). Prompts are real sentences from data/ in several
 languages wrapped in a plain completion-style translation prompt. Our side runs through the paged
 KV cache the way the engine drives it (`tests/conftest.py::paged_greedy`): one prefill step,
 then one decode step per token; also chunked prefill and a mixed multi-sequence batch.
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata
+from replay.datasets import data_file
 from workers.engine.config import ModelConfig
 from workers.engine.loader import model_from_hf_state_dict
 
@@ -46,7 +47,7 @@ def one_thread():
 
 def build_prompt(data_dir: Path, index: int) -> str:
     rel, line, src, tgt = PROMPT_SOURCES[index]
-    text = (data_dir / rel).read_text(encoding="utf-8").splitlines()[line].strip()
+    text = data_file(rel, data_dir).read_text(encoding="utf-8").splitlines()[line].strip()
     return f"Translate {src} to {tgt}:\n{src}: {text}\n{tgt}:"
 
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops, get_op
+from kernels import cpu_ops
 from kernels.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -179,13 +179,6 @@ def test_build_metadata():
     assert meta.block_tables.tolist() == [[3, 0, 0], [5, 6, 7]]
     assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 7 * 4 + 1]
     assert meta.max_seq_len == 10 and not meta.decode_only
-
-
-def test_registry_returns_cpu_reference():
-    assert get_op("paged_attention", "cpu") is paged_attention
-    assert get_op("write_kv", torch.device("cpu")) is write_kv
-    with pytest.raises(KeyError):
-        get_op("no_such_op", "cpu")
 
 
 def make_shared_prefix_case(prefixes, rows, heads, block_size, dtype, seed=1, scatter=False):

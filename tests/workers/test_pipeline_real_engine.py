@@ -41,7 +41,7 @@ MAX_NEW_TOKENS = 24
 
 
 def english_inputs(lang: str, n: int) -> list[str]:
-    """`n` distinct short English sources for target `lang` from shared/data."""
+    """`n` distinct short English sources for target `lang` from the repository's data/."""
     texts = [en for en, _ in tatoeba_pairs(lang) if len(en) <= 80]
     if lang == "de":  # agents' chat turns (English -> German) for half of German
         agents = [u.source for u in bcontrast("dev") if u.speaker == "agent" and len(u.source) < 80]
