@@ -35,14 +35,16 @@ llama.cpp (n_threads and n_threads_batch).
 
 Prefix cache: system `tolk` runs with the prefix cache OFF, so it computes every prompt token
 as the other systems do (`--prefix-cache` turns it on for it too). System `tolk-prefix` is the
-engine as it serves: the language's prompt prefix warmed (`engine.warm`), each request
-prefilling only its own tokens, and the decode steps of the sequences that share that prefix
-reading its K/V once per step (cascade attention, `kernels/attention.py`). Its decode tokens/s
-still count attention over the whole context of every sequence; its prefill and TTFT figures
-are not comparable with the other systems' (they exclude the cached prefix); `cached_tokens`
-says how many prompt tokens came from the cache. The prefix cache's TTFT effect is measured
-separately (in the `tolk` worker): TTFT of one request whose language prefix is warm
-(`engine.warm([lang])`) vs cold (prefix cache disabled), median of `--ttft-trials`.
+engine as it serves: the language's prompt prefix warmed (`engine.warm`; before every timed
+repeat the prefix cache is reset and the prefix warmed again, so no repeat finds the prompts of
+the one before), each request prefilling only its own tokens, and the decode steps of the
+sequences that share that prefix reading its K/V once per step (cascade attention,
+`kernels/attention.py`). Its decode tokens/s still count attention over the whole context of
+every sequence; its prefill and TTFT figures exclude the cached prefix, like
+`llamacpp-prefix`'s; `cached_tokens` says how many prompt tokens came from the cache. The
+prefix cache's TTFT effect is measured separately (in the `tolk` worker): TTFT of one request
+whose language prefix is warm (`engine.warm([lang])`) vs cold (prefix cache disabled), median
+of `--ttft-trials`.
 
 llama.cpp: `llamacpp` computes every prompt token; `llamacpp-prefix` decodes the language
 prefix once and shares it with every sequence (`llama_memory_seq_cp` in a unified KV cache), the
@@ -263,6 +265,9 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
             raise RuntimeError("the engine's prompt ids differ from the shared prompts")
 
         def once(texts: Sequence[str] = texts, batch: int = batch) -> JSON:
+            if prefix_cache:  # untimed: only the language prefix cached, not the last repeat's
+                engine.kv.reset_prefix_cache()  # prompts (every repeat sends the same texts)
+                engine.warm([TARGET_LANG])
             reqs = requests(texts, new)
             prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
             engine.step_trace = []

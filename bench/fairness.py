@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from bench._common import machine_info
 from workers.fairness.latency_model import LatencyModel
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, DEFAULT_POLICIES, LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, jain_index
@@ -802,6 +803,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device="cpu")
     texts = load_texts(seed=args.seed)
     out: dict[str, Any] = {
+        "machine": machine_info(args.threads or None),  # the CPU the figures belong to
         "config": {k: v for k, v in vars(args).items()},
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),

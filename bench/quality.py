@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from bench._common import machine_info
 from replay.datasets import tatoeba_pairs
 from workers.engine.engine import Engine, EngineConfig
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     result = run(a.model, a.n, a.variants.split(","), a.pairs.split(","), a.threads)
+    result["machine"] = machine_info(a.threads)  # the CPU the figures belong to
     text = json.dumps(result, indent=2, ensure_ascii=False)
     print(text)
     if a.out:
