@@ -36,14 +36,9 @@ replaced:
   `drop_expired` its deadline is arrival + SLO and the scheduler expires it if that passed
   before admission (the engine's deadline rule), otherwise it has no deadline.
 
-Measurement: service and throughput count steps that start inside [warmup_s, duration_s)
-(service = tokens computed + 2 x output tokens, per language: a cached prefix is not computed,
-a preempted request's recomputation is); latency and SLO numbers count requests arriving in
-that window. A request still unfinished when the run ends enters the latency percentiles with
-its age at the end (a lower bound) rather than being censored away, so an ever-growing FCFS
-queue shows in the tail. A language counts as backlogged when requests of it were left waiting
-after admission (in the queue, or preempted) for at least `backlog_fraction` of the measured
-time.
+Measurement (what counts, in which window, backlog, the unfinished requests' latency) is
+`sim_results.py`'s part: its `summarize` turns the loop's counters and `RequestRecord`s into
+the `SimResult`, whose records this module re-exports.
 """
 
 from __future__ import annotations
@@ -52,16 +47,14 @@ import itertools
 import math
 import random
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SequenceState
 from workers.engine.types import FinishReason, GenerationRequest, RequestQueue, SamplingParams
 from workers.fairness.policy import DEFAULT_POLICIES
-from workers.fairness.vtc import OUTPUT_TOKEN_COST, FCFSQueue, VTCQueue, jain_index
+from workers.fairness.vtc import OUTPUT_TOKEN_COST, FCFSQueue, VTCQueue
+from workers.serving.sim_results import LanguageResult, RequestRecord, SimResult, summarize
 
 __all__ = [
     "CostModel",
@@ -143,57 +136,6 @@ class SimConfig:
     max_model_len: int = 2048  # prompt + output cap per sequence (EngineConfig.max_model_len)
 
 
-@dataclass(slots=True)
-class LanguageResult:
-    weight: float
-    slo_s: float
-    arrived: int  # arrivals inside the measurement window
-    completed: int  # of those, finished
-    expired: int  # of those, dropped at admission (deadline passed, or refused)
-    unfinished: int  # of those, still waiting or running at the end
-    service: float  # weighted tokens served in the window (prefill + 2 * output)
-    normalized_service: float  # service / weight
-    output_tokens: int  # tokens generated in the window
-    backlogged_fraction: float  # share of measured time with requests left waiting
-    latency_p50_s: float
-    latency_p95_s: float
-    latency_p99_s: float
-    latency_p999_s: float
-    queue_p50_s: float  # arrival -> admission, admitted requests only
-    queue_p99_s: float
-    slo_attainment: float  # met / decided (nan if none decided)
-    window_attainment: list[float]  # per window_s window, by arrival (nan: none decided)
-
-
-@dataclass(slots=True)
-class SimResult:
-    queue: str
-    sim_end_s: float
-    steps: int
-    throughput_tokens_s: float  # output tokens per second in the window
-    service_tokens_s: float  # weighted service per second in the window
-    completed_rps: float  # requests finished per second in the window
-    backlogged: list[str]  # languages backlogged for >= backlog_fraction of the window
-    jain_index: float  # over the backlogged languages' normalized service
-    service_ratio: dict[str, float]  # backlogged lang -> normalized service / their mean
-    languages: dict[str, LanguageResult]
-    preemptions: int = 0  # running sequences preempted for KV blocks (0 with the default pool)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: nan and inf become None."""
-        return _jsonable(asdict(self))
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def make_queue(
     kind: str, weights: Mapping[str, float], burst_tokens: float = 0.0
 ) -> VTCQueue | FCFSQueue:
@@ -202,17 +144,6 @@ def make_queue(
     if kind == "fcfs":
         return FCFSQueue(weights)
     raise ValueError(f"unknown queue kind {kind!r} (expected 'vtc' or 'fcfs')")
-
-
-@dataclass(slots=True)
-class _Req:
-    request: GenerationRequest
-    lang: str
-    arrival: float
-    slo_s: float
-    admitted: float = math.nan
-    finish: float = math.nan
-    expired: bool = False
 
 
 class _Clock:
@@ -241,7 +172,7 @@ def _request(
     out: int,
     prefix: list[int],
     ids: Iterator[int],
-) -> _Req:
+) -> RequestRecord:
     load = config.languages[lang]
     own = max(1, prompt - len(prefix))  # the last prompt token is always computed
     request = GenerationRequest(
@@ -253,11 +184,13 @@ def _request(
         arrival=at,
         expected_output_tokens=max(1, out),
     )
-    return _Req(request, lang, at, load.slo_s)
+    return RequestRecord(request, lang, at, load.slo_s)
 
 
-def _arrivals(config: SimConfig, prefixes: dict[str, list[int]], ids: Iterator[int]) -> list[_Req]:
-    reqs: list[_Req] = []
+def _arrivals(
+    config: SimConfig, prefixes: dict[str, list[int]], ids: Iterator[int]
+) -> list[RequestRecord]:
+    reqs: list[RequestRecord] = []
     for lang in sorted(config.languages):
         load = config.languages[lang]
         rng = random.Random(f"{config.seed}:{lang}")  # str seeds are stable across runs
@@ -286,7 +219,7 @@ def _arrivals(config: SimConfig, prefixes: dict[str, list[int]], ids: Iterator[i
 
 
 def _kv_cache(
-    config: SimConfig, reqs: list[_Req], prefixes: dict[str, list[int]]
+    config: SimConfig, reqs: list[RequestRecord], prefixes: dict[str, list[int]]
 ) -> KVCacheManager:
     bs = config.block_size
     if config.kv_cache_tokens > 0:
@@ -339,10 +272,6 @@ def _check_progress(out: SchedulerOutput, scheduler: Scheduler) -> None:
             f"the KV cache ({blocks} blocks of {scheduler.kv.block_size} tokens) cannot hold "
             "the next waiting request: raise kv_cache_tokens"
         )
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
 
 
 def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
@@ -445,7 +374,7 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
                 if in_window:
                     completed_in_window += 1
 
-    return _summarize(
+    return summarize(
         config,
         kind,
         arrivals,
@@ -457,99 +386,6 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
         waiting_time,
         measured_time,
         completed_in_window,
-    )
-
-
-def _summarize(
-    config: SimConfig,
-    kind: str,
-    arrivals: list[_Req],
-    sim_end: float,
-    steps: int,
-    preemptions: int,
-    service: dict[str, float],
-    out_tokens: dict[str, int],
-    waiting_time: dict[str, float],
-    measured_time: float,
-    completed_in_window: int,
-) -> SimResult:
-    warm, stop = config.warmup_s, config.duration_s
-    n_windows = max(1, math.ceil((stop - warm) / config.window_s))
-    per_lang: dict[str, LanguageResult] = {}
-    for lang in sorted(config.languages):
-        load = config.languages[lang]
-        lat: list[float] = []
-        waits: list[float] = []
-        arrived = completed = expired = unfinished = met = decided = 0
-        win_met = [0] * n_windows
-        win_decided = [0] * n_windows
-        for r in arrivals:
-            if r.lang != lang or not warm <= r.arrival < stop:
-                continue
-            arrived += 1
-            if not math.isnan(r.admitted):
-                waits.append(r.admitted - r.arrival)
-            w = min(n_windows - 1, int((r.arrival - warm) // config.window_s))
-            if r.expired:
-                expired += 1
-                ok: bool | None = False
-            elif not math.isnan(r.finish):
-                completed += 1
-                lat.append(r.finish - r.arrival)
-                ok = r.finish - r.arrival <= r.slo_s
-            else:
-                unfinished += 1
-                age = sim_end - r.arrival
-                lat.append(age)  # lower bound on its latency
-                ok = False if age > r.slo_s else None  # None: can still make it
-            if ok is not None:
-                decided += 1
-                win_decided[w] += 1
-                if ok:
-                    met += 1
-                    win_met[w] += 1
-        per_lang[lang] = LanguageResult(
-            weight=load.weight,
-            slo_s=load.slo_s,
-            arrived=arrived,
-            completed=completed,
-            expired=expired,
-            unfinished=unfinished,
-            service=service[lang],
-            normalized_service=service[lang] / load.weight,
-            output_tokens=out_tokens[lang],
-            backlogged_fraction=waiting_time[lang] / measured_time if measured_time else 0.0,
-            latency_p50_s=_percentile(lat, 50),
-            latency_p95_s=_percentile(lat, 95),
-            latency_p99_s=_percentile(lat, 99),
-            latency_p999_s=_percentile(lat, 99.9),
-            queue_p50_s=_percentile(waits, 50),
-            queue_p99_s=_percentile(waits, 99),
-            slo_attainment=met / decided if decided else math.nan,
-            window_attainment=[
-                m / d if d else math.nan for m, d in zip(win_met, win_decided, strict=True)
-            ],
-        )
-    backlogged = [
-        g for g, res in per_lang.items() if res.backlogged_fraction >= config.backlog_fraction
-    ]
-    norm = [per_lang[g].normalized_service for g in backlogged]
-    mean = sum(norm) / len(norm) if norm else 0.0
-    span = measured_time or math.nan
-    return SimResult(
-        queue=kind,
-        sim_end_s=sim_end,
-        steps=steps,
-        throughput_tokens_s=sum(out_tokens.values()) / span,
-        service_tokens_s=sum(service.values()) / span,
-        completed_rps=completed_in_window / span,
-        backlogged=backlogged,
-        jain_index=jain_index(norm),
-        service_ratio={
-            g: (per_lang[g].normalized_service / mean if mean else math.nan) for g in backlogged
-        },
-        languages=per_lang,
-        preemptions=preemptions,
     )
 
 
