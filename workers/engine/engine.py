@@ -6,9 +6,13 @@ scheduler, the KV cache manager and the model, so none of them needs a lock. Eac
     out = scheduler.schedule()                       # which tokens of which sequences
     model.copy_kv_blocks(out.block_copies)           # prefix hits that end inside a block
     hidden = model(input_ids, positions, metadata)   # one forward over the flattened batch
-    tokens = greedy_tokens(hidden[last token of each sampling sequence], ...)  # all greedy:
-    # the screened int8 LM head (kernels/greedy_head.py); else full logits and the sampler
+    sampled = sampler.pick(seqs, hidden[last token of each sampling sequence])  # all greedy:
+    # the screened int8 LM head (kernels/greedy_head.py); else full logits, seeded draws
     scheduler.update_from_output(out, sampled, stop) # advance, finish, free blocks
+
+The sampler (`TokenSampler`, workers/engine/sampling.py) holds each sampled request's seeded
+generator; `EngineConfig` and `EngineStats` live in workers/engine/engine_config.py and are
+re-exported here.
 
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
 its prefix (instructions + few-shot examples of the target language) is shared through the
@@ -35,18 +39,18 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kernels.attention import AttentionMetadata
-from kernels.greedy_head import greedy_tokens
 from workers.engine.compiled import CompiledDecode
+from workers.engine.engine_config import EngineConfig, EngineStats
 from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
-from workers.engine.prepare import Preparation, PreparedModel, prepare_model
+from workers.engine.prepare import PreparedModel, prepare_model
 from workers.engine.prompts import PromptBuilder
+from workers.engine.sampling import TokenSampler
 from workers.engine.scheduler import (
     AdmissionHook,
     Scheduler,
@@ -66,58 +70,9 @@ from workers.engine.types import (
     Timings,
 )
 
+__all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: engine_config.py
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = "gemma3-270m"  # preset name, .gguf path or HF checkpoint directory
-    dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
-    device: str = "cpu"
-    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
-    # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
-    # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
-    compile_decode: bool = False
-    compile_max_batch: int = 8
-    pack_weights: bool = True  # CPU float32: projections via the probed fastest GEMM (swaps.py)
-    # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
-    # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
-    screen_lm_head: bool = True
-    fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
-    block_size: int = 16  # tokens per KV block
-    kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
-    max_num_seqs: int = 32  # running batch cap
-    max_num_batched_tokens: int = 512  # per-step token budget (decode + prefill chunks)
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    share_partial_blocks: bool = True  # prefix hits may end inside a block (copied slots)
-    max_new_tokens: int = 256  # default cap of a translation's output
-    warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
-    model_version: str = ""  # the A/B arm name on replies; default: model name
-
-    @property
-    def preparation(self) -> Preparation:
-        """The model preparation this engine needs (workers/engine/prepare.py)."""
-        return Preparation(
-            fuse_qkv=self.fuse_qkv,
-            quantize=self.quantize,
-            pack_weights=self.pack_weights,
-            screen_lm_head=self.screen_lm_head,
-        )
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0  # computed prompt tokens (cache hits excluded)
-    decode_tokens: int = 0  # sampled tokens
-    finished: int = 0
-    preemptions: int = 0
-    last_batch_size: int = 0
-    step_seconds: float = 0.0  # total time inside model steps
-    compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
-    screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
-    batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
 
 
 class Engine:
@@ -137,6 +92,7 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.lm_screen = self.prepared.lm_screen if self.config.screen_lm_head else None
+        self.sampler = TokenSampler(self.model, self.lm_screen)
         self.tokenizer = loaded.tokenizer
         mc = loaded.config
         self.device = self.prepared.device
@@ -180,7 +136,6 @@ class Engine:
         # decode speed on the steps in which every sequence decodes
         self.step_trace: list[StepRecord] | None = None
         self._handles: dict[str, RequestHandle] = {}
-        self._generators: dict[str, torch.Generator] = {}
         self._inbox: queue.SimpleQueue[GenerationRequest] = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -407,16 +362,9 @@ class Engine:
         ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
         rows = hidden.index_select(0, ends)  # [N, D]
         seqs = [out.chunks[i].seq for i in sampling]
-        if self.lm_screen is not None and all(s.request.params.temperature <= 0 for s in seqs):
+        if self.sampler.screens(seqs):
             self.stats.screened_steps += 1  # greedy only: no logits needed
-            tokens = greedy_tokens(
-                rows,
-                self.model.lm_head.weight,
-                self.lm_screen,
-                self.model.config.final_logit_softcapping,
-            ).tolist()
-            return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
-        return self._sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
+        return self.sampler.pick(seqs, rows)
 
     def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
         """A decode-only step through the compiled graph (one new token per sequence)."""
@@ -430,29 +378,7 @@ class Engine:
                 for g in self.kv.groups
             },
         )
-        return self._sample(seqs, logits, greedy)
-
-    def _sample(
-        self, seqs: list[SequenceState], logits: torch.Tensor, greedy: torch.Tensor | None = None
-    ) -> dict[str, int]:
-        # greedy for all (given by a compiled step); sampled rows replaced below
-        tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
-        for row, seq in enumerate(seqs):
-            p = seq.request.params
-            if p.temperature <= 0:
-                continue
-            gen = self._generators.get(seq.request_id)
-            if gen is None:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(p.seed if p.seed is not None else 0)
-                self._generators[seq.request_id] = gen
-            probs = torch.softmax(logits[row].float().cpu() / p.temperature, dim=-1)
-            if p.top_p < 1.0:
-                sorted_p, order = probs.sort(descending=True)
-                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
-        return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+        return self.sampler.sample(seqs, logits, greedy)
 
     def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
         p = seq.request.params
@@ -508,7 +434,7 @@ class Engine:
             error=seq.error,
         )
         self.stats.finished += 1
-        self._generators.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
         handle = self._handles.pop(req.request_id, None)
         if handle is not None:
             handle.set_result(result)

@@ -1,0 +1,68 @@
+"""What an engine is asked to be (`EngineConfig`) and what it counts as it runs (`EngineStats`).
+
+`EngineConfig` is one frozen record read once at the edge (the CLI, a benchmark, a test) and
+handed down: the model to load and how to prepare it (`preparation`: the speed swaps of
+`workers/engine/swaps.py`, applied once per loaded model by `workers/engine/prepare.py`), the
+KV cache's shape, the scheduler's limits and the defaults of a translation. `EngineStats` is
+the engine's running tally of steps, tokens and batch sizes, written only by the thread that
+steps the engine.
+
+Both are re-exported by `workers.engine.engine`, where callers import them with `Engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.prepare import Preparation
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "gemma3-270m"  # preset name, .gguf path or HF checkpoint directory
+    dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
+    device: str = "cpu"
+    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
+    # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
+    # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
+    compile_decode: bool = False
+    compile_max_batch: int = 8
+    pack_weights: bool = True  # CPU float32: projections via the probed fastest GEMM (swaps.py)
+    # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
+    # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
+    screen_lm_head: bool = True
+    fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
+    max_num_seqs: int = 32  # running batch cap
+    max_num_batched_tokens: int = 512  # per-step token budget (decode + prefill chunks)
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    share_partial_blocks: bool = True  # prefix hits may end inside a block (copied slots)
+    max_new_tokens: int = 256  # default cap of a translation's output
+    warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
+    model_version: str = ""  # the A/B arm name on replies; default: model name
+
+    @property
+    def preparation(self) -> Preparation:
+        """The model preparation this engine needs (workers/engine/prepare.py)."""
+        return Preparation(
+            fuse_qkv=self.fuse_qkv,
+            quantize=self.quantize,
+            pack_weights=self.pack_weights,
+            screen_lm_head=self.screen_lm_head,
+        )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # computed prompt tokens (cache hits excluded)
+    decode_tokens: int = 0  # sampled tokens
+    finished: int = 0
+    preemptions: int = 0
+    last_batch_size: int = 0
+    step_seconds: float = 0.0  # total time inside model steps
+    compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
+    screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
+    batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)

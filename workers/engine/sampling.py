@@ -1,0 +1,79 @@
+"""The engine's sampler: the next token of each sampling sequence, from its last hidden row.
+
+Two ways, chosen per step by `TokenSampler.pick`:
+
+- every sequence greedy (`temperature <= 0`) and the LM head screened (`EngineConfig.
+  screen_lm_head`, CPU float32): `kernels.greedy_head.greedy_tokens` gives the float32 head's
+  argmax from an int8 copy screened by an error bound, without computing the logits;
+- otherwise the model's full logits `[N, V]`: the argmax for greedy rows, and for the others a
+  draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`.
+
+Each sampled request draws from its own CPU `torch.Generator`, seeded once from its
+`SamplingParams.seed` (0 when none) on its first sampled token, so a request's tokens depend on
+its seed alone, not on what else shares its batches. The engine calls `forget` when a request
+finishes to drop its generator. Compiled decode steps (`workers/engine/compiled.py`) bring their
+own logits and greedy tokens and go through `sample` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.greedy_head import Int8Screen, greedy_tokens
+from workers.engine.model import Transformer
+from workers.engine.scheduler import SequenceState
+
+
+class TokenSampler:
+    """Picks tokens for one engine; lives on the engine's loop thread (not thread-safe)."""
+
+    def __init__(self, model: Transformer, lm_screen: Int8Screen | None) -> None:
+        self.model = model
+        self.lm_screen = lm_screen  # None: always through the full logits
+        self._generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+
+    def screens(self, seqs: Sequence[SequenceState]) -> bool:
+        """Whether `pick` takes these sequences' tokens from the screened LM head."""
+        return self.lm_screen is not None and all(s.request.params.temperature <= 0 for s in seqs)
+
+    def pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
+        """Each sequence's next token from its last hidden row, `rows` [N, D]."""
+        if self.lm_screen is not None and self.screens(seqs):  # greedy only: no logits needed
+            tokens = greedy_tokens(
+                rows,
+                self.model.lm_head.weight,
+                self.lm_screen,
+                self.model.config.final_logit_softcapping,
+            ).tolist()
+            return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+        return self.sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
+
+    def sample(
+        self, seqs: list[SequenceState], logits: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> dict[str, int]:
+        """Tokens from `logits` [N, V]; `greedy` [N], when given (a compiled step), is taken
+        as the argmax of every row."""
+        # greedy for all (given by a compiled step); sampled rows replaced below
+        tokens = (greedy if greedy is not None else logits.argmax(dim=-1)).tolist()
+        for row, seq in enumerate(seqs):
+            p = seq.request.params
+            if p.temperature <= 0:
+                continue
+            gen = self._generators.get(seq.request_id)
+            if gen is None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(p.seed if p.seed is not None else 0)
+                self._generators[seq.request_id] = gen
+            probs = torch.softmax(logits[row].float().cpu() / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                sorted_p, order = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < p.top_p
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's generator."""
+        self._generators.pop(request_id, None)
