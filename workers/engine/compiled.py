@@ -38,6 +38,9 @@ from workers.engine.model import Transformer
 log = logging.getLogger(__name__)
 
 
+MAX_GRAPHS = 64  # compiled decode graphs one process may hold (see CompiledDecode.__init__)
+
+
 class CompiledDecode:
     """The model's decode step, compiled; called with python lists, returns (logits, argmax)."""
 
@@ -54,6 +57,12 @@ class CompiledDecode:
             cpu_ops.load()  # tolk::decode_attention (and int8_linear), before any tracing
         # CPU: inductor's C++ wrapper calls the kernels without a Python frame per op (its
         # Python wrapper cost ~1.2 of ~10.5 ms per batch-1 SmolLM2 step, shape checks mostly)
+        # dynamo caches graphs per code object, so every CompiledDecode of the process (one per
+        # engine; ~2 graphs each) counts against one limit, 8 by default: a process that builds
+        # a fifth compiled engine (tests, benchmarks, several models) would hit it and, with
+        # fullgraph, fail. Room for 32 engines.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, MAX_GRAPHS)
         self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
         )
