@@ -192,10 +192,6 @@ class ProbedLinear(nn.Module):
             name: make_kernel(name, w) for name in sorted(set(self.choice.picks))
         }
 
-    @property
-    def backends(self) -> tuple[str, ...]:
-        return self.choice.picks
-
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # inductor packs the weight its own way
             return F.linear(x, self.weight)
