@@ -15,6 +15,18 @@
 #   TOLK_KAFKA_HEAP              JVM heap options (default "-Xmx512m -Xms256m")
 #   TOLK_START_TIMEOUT           seconds to wait for each service to answer (default 120)
 #   TOLK_PYTHON                  a python with confluent_kafka for the broker readiness check
+#   TOLK_KAFKA_SECURITY          plaintext (default) or sasl_ssl: the broker port becomes a
+#                                SASL_SSL listener (SCRAM-SHA-512, TLS with a CA made here by
+#                                openssl), the controller listener SSL with client certificates
+#   TOLK_KAFKA_USER              the SCRAM user of the clients (default tolk)
+#   TOLK_KAFKA_PASSWORD          its password (default: generated into <state>/secrets, 0600)
+#   TOLK_REDIS_PASSWORD          redis 'requirepass' (default: none; generated in sasl_ssl mode)
+#
+# In sasl_ssl mode 'up' prints where the CA certificate and the client credentials file are;
+# `set -a; . <state>/secrets/client.env; set +a` points `tolk worker` / `tolk translate` at the
+# stack. The mode is recorded in the state dir, so status/down/clean need no variables; a
+# storage formatted in one mode (or with one password) is not started in another: 'clean' first.
+# docs/SECURITY.md says what a multi-host setup has to change.
 set -euo pipefail
 
 COMPOSE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,6 +45,14 @@ KAFKA_DATA="$KAFKA_DIR/data"
 KAFKA_PID="$KAFKA_DIR/kafka.pid"
 REDIS_DIR="$STATE_DIR/redis"
 REDIS_PID="$REDIS_DIR/redis.pid"
+REDIS_CONF="$REDIS_DIR/redis.conf"
+SECRETS_DIR="$STATE_DIR/secrets"
+TLS_DIR="$STATE_DIR/tls"
+MODE_FILE="$STATE_DIR/security.mode"
+CLIENT_ENV="$SECRETS_DIR/client.env"
+KAFKA_USER="${TOLK_KAFKA_USER:-tolk}"
+BROKER_USER="broker"  # the inter-broker SCRAM user
+SCRAM_MECHANISM="SCRAM-SHA-512"
 KAFKA_VERSION="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$COMPOSE_DIR/pom.xml")"
 
 log() { printf '[stack] %s\n' "$*" >&2; }
@@ -63,18 +83,160 @@ stop_pid() {  # pid name seconds
     kill -KILL "$pid" 2>/dev/null || true
 }
 
+# ---------------------------------------------------------------- security mode and secrets
+
+# The mode: the variables when given, else what the last 'up' recorded, else plaintext (the
+# default stack is exactly the plaintext one the test suite uses).
+recorded() {  # key
+    [[ -s $MODE_FILE ]] && sed -n "s/^$1=//p" "$MODE_FILE" | tail -n1
+}
+
+resolve_mode() {
+    local mode="${TOLK_KAFKA_SECURITY:-}"
+    [[ -n $mode ]] || mode="$(recorded kafka || true)"
+    mode="${mode:-plaintext}"
+    mode="${mode,,}"
+    case $mode in
+        plaintext | sasl_ssl) ;;
+        *) die "TOLK_KAFKA_SECURITY must be 'plaintext' or 'sasl_ssl', not '$mode'" ;;
+    esac
+    KAFKA_SECURITY=$mode
+    if [[ -z ${TOLK_KAFKA_USER:-} ]]; then
+        KAFKA_USER="$(recorded kafka_user || true)"
+        KAFKA_USER="${KAFKA_USER:-tolk}"
+    fi
+    # redis asks for a password when one is given, in sasl_ssl mode, or when 'up' said so.
+    if [[ -n ${TOLK_REDIS_PASSWORD:-} || $KAFKA_SECURITY == sasl_ssl ]]; then
+        REDIS_AUTH=1
+    elif [[ -z ${TOLK_KAFKA_SECURITY:-} && "$(recorded redis_auth || true)" == 1 ]]; then
+        REDIS_AUTH=1
+    else
+        REDIS_AUTH=0
+    fi
+}
+
+check_secret() {  # what value: a secret goes into a JAAS line, --add-scram and a redis URL
+    [[ $2 =~ ^[A-Za-z0-9._~+=-]{8,}$ ]] \
+        || die "$1 must be at least 8 characters of letters, digits and ._~+=- (it is written \
+into the broker's JAAS line, --add-scram and redis URLs)"
+}
+
+# secrets/<name> (0600, in a 0700 dir): the given value, or one generated when the file is
+# missing. Prints nothing; the files are read where needed (never put on a command line but
+# the one-off --add-scram of the format step).
+ensure_secret() {  # name [value]
+    local file="$SECRETS_DIR/$1" value="${2:-}"
+    (umask 077 && mkdir -p "$SECRETS_DIR")
+    chmod 700 "$SECRETS_DIR"
+    if [[ -n $value ]]; then
+        check_secret "the value for $1" "$value"
+        (umask 077 && printf '%s' "$value" >"$file")
+    elif [[ ! -s $file ]]; then
+        command -v openssl >/dev/null || die "openssl is needed to generate passwords"
+        (umask 077 && openssl rand -hex 24 | tr -d '\n' >"$file")
+    fi
+    chmod 600 "$file"
+}
+
+secret() { cat "$SECRETS_DIR/$1"; }  # name
+
+# A CA and the broker's certificate (CN=localhost, SAN DNS:localhost and IP:127.0.0.1, so
+# clients verify the host name) as a PKCS12 keystore; the CA certificate is the truststore of
+# the broker (controller client certificates) and of the clients. Made once per state dir.
+make_tls() {
+    [[ -s $TLS_DIR/ca.crt && -s $TLS_DIR/broker.p12 ]] && return 0
+    command -v openssl >/dev/null \
+        || die "openssl is needed for the TLS certificates (apt-get install -y openssl)"
+    ensure_secret keystore.password
+    log "making a CA and the broker certificate (localhost, 127.0.0.1) in $TLS_DIR"
+    rm -rf "$TLS_DIR"
+    (umask 077 && mkdir -p "$TLS_DIR")
+    local ssl_log="$LOG_DIR/openssl.log"
+    mkdir -p "$LOG_DIR"
+    {
+        (umask 077 && cd "$TLS_DIR" \
+            && openssl req -x509 -newkey rsa:2048 -nodes -days 825 -sha256 \
+                -subj "/CN=tolk local CA" -keyout ca.key -out ca.crt \
+                -addext "basicConstraints=critical,CA:TRUE" \
+                -addext "keyUsage=critical,keyCertSign,cRLSign" \
+            && openssl req -newkey rsa:2048 -nodes -sha256 -subj "/CN=localhost" \
+                -keyout broker.key -out broker.csr \
+            && printf '%s\n' "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+                "extendedKeyUsage=serverAuth,clientAuth" "basicConstraints=CA:FALSE" \
+                "keyUsage=critical,digitalSignature,keyEncipherment" >broker.ext \
+            && openssl x509 -req -in broker.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
+                -days 825 -sha256 -extfile broker.ext -out broker.crt \
+            && openssl pkcs12 -export -in broker.crt -inkey broker.key -certfile ca.crt \
+                -name broker -out broker.p12 -passout "file:$SECRETS_DIR/keystore.password" \
+            && rm -f broker.csr broker.ext ca.srl)
+    } >"$ssl_log" 2>&1 || { cat "$ssl_log" >&2; die "making the certificates failed"; }
+    chmod 644 "$TLS_DIR/ca.crt"
+    chmod 600 "$TLS_DIR"/*.key "$TLS_DIR/broker.p12"
+}
+
+prepare_secrets() {  # before 'up': passwords and certificates of the chosen mode
+    if [[ $KAFKA_SECURITY == sasl_ssl ]]; then
+        ensure_secret kafka.password "${TOLK_KAFKA_PASSWORD:-}"
+        ensure_secret broker.password
+        [[ $KAFKA_USER =~ ^[A-Za-z0-9._-]+$ && $KAFKA_USER != "$BROKER_USER" ]] \
+            || die "TOLK_KAFKA_USER must be letters, digits and ._- (and not '$BROKER_USER')"
+        make_tls
+    fi
+    if [[ $REDIS_AUTH -eq 1 ]]; then
+        ensure_secret redis.password "${TOLK_REDIS_PASSWORD:-}"
+    fi
+}
+
+# After 'up': record the mode (status/down need no variables) and, when something asks for a
+# password, write the client settings file (0600) and say where it and the CA are.
+record_mode() {
+    mkdir -p "$STATE_DIR"
+    printf 'kafka=%s\nkafka_user=%s\nredis_auth=%s\n' \
+        "$KAFKA_SECURITY" "$KAFKA_USER" "$REDIS_AUTH" >"$MODE_FILE"
+    [[ $KAFKA_SECURITY == sasl_ssl || $REDIS_AUTH -eq 1 ]] || return 0
+    (
+        umask 077
+        {
+            echo "# tolk client settings for the local stack under $STATE_DIR (secret: 0600)"
+            echo "TOLK_BOOTSTRAP=127.0.0.1:$KAFKA_PORT"
+            if [[ $KAFKA_SECURITY == sasl_ssl ]]; then
+                echo "TOLK_SECURITY_PROTOCOL=SASL_SSL"
+                echo "TOLK_SASL_MECHANISM=$SCRAM_MECHANISM"
+                echo "TOLK_SASL_USERNAME=$KAFKA_USER"
+                echo "TOLK_SASL_PASSWORD=$(secret kafka.password)"
+                echo "TOLK_SSL_CA_LOCATION=$TLS_DIR/ca.crt"
+            fi
+            echo "TOLK_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0"
+            [[ $REDIS_AUTH -eq 0 ]] || echo "TOLK_REDIS_PASSWORD=$(secret redis.password)"
+        } >"$CLIENT_ENV"
+    )
+    chmod 600 "$CLIENT_ENV"
+    [[ $KAFKA_SECURITY == plaintext ]] \
+        || log "kafka: SASL_SSL ($SCRAM_MECHANISM, user '$KAFKA_USER'); CA certificate: $TLS_DIR/ca.crt"
+    [[ $REDIS_AUTH -eq 0 ]] || log "redis: password required (requirepass)"
+    log "client credentials (0600): $CLIENT_ENV  (load: set -a; . $CLIENT_ENV; set +a)"
+}
+
 # ---------------------------------------------------------------- redis
 
 redis_pid() { pid_of "$REDIS_PID" "redis-server"; }
 
-redis_ping() {
+# PONG from redis; with a password (REDIS_AUTH=1) after AUTH, the password passed through
+# REDISCLI_AUTH or the socket, never on a command line.
+redis_ping() {  # [noauth]
+    local password=""
+    [[ $REDIS_AUTH -eq 0 || ${1:-} == noauth ]] || password="$(secret redis.password 2>/dev/null)"
     if command -v redis-cli >/dev/null; then
-        [[ "$(redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" == PONG ]]
+        local env=()
+        [[ -z $password ]] || env=("REDISCLI_AUTH=$password")
+        [[ "$(env "${env[@]}" redis-cli --no-auth-warning -h 127.0.0.1 -p "$REDIS_PORT" \
+            ping 2>/dev/null)" == PONG ]]
     else
-        local reply
-        reply="$(exec 3<>"/dev/tcp/127.0.0.1/$REDIS_PORT" && printf 'PING\r\n' >&3 \
-            && timeout 2 head -c 7 <&3)" 2>/dev/null || return 1
-        [[ $reply == "+PONG"* ]]
+        local reply auth=""
+        [[ -z $password ]] || auth="AUTH $password"$'\r\n'
+        reply="$(exec 3<>"/dev/tcp/127.0.0.1/$REDIS_PORT" && printf '%sPING\r\n' "$auth" >&3 \
+            && timeout 2 head -c 12 <&3)" 2>/dev/null || return 1
+        [[ $reply == *"+PONG"* ]]
     fi
 }
 
@@ -103,6 +265,9 @@ install_redis() {
 redis_up() {
     local pid
     if pid="$(redis_pid)"; then
+        if [[ $REDIS_AUTH -eq 1 ]] && redis_ping noauth; then
+            die "redis (pid $pid) runs without a password; 'bash compose/stack.sh down' first"
+        fi
         log "redis already running (pid $pid) on 127.0.0.1:$REDIS_PORT"
         return 0
     fi
@@ -114,9 +279,21 @@ redis_up() {
     install_redis
     mkdir -p "$REDIS_DIR" "$LOG_DIR"
     rm -f "$REDIS_PID"
-    redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes \
-        --pidfile "$REDIS_PID" --dir "$REDIS_DIR" --logfile "$LOG_DIR/redis.log" \
-        --save "" --appendonly no --protected-mode yes 9>&-
+    if [[ $REDIS_AUTH -eq 0 ]]; then
+        redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes \
+            --pidfile "$REDIS_PID" --dir "$REDIS_DIR" --logfile "$LOG_DIR/redis.log" \
+            --save "" --appendonly no --protected-mode yes 9>&-
+    else
+        # The same options from a 0600 file, so the password is not on the command line.
+        (
+            umask 077
+            printf '%s\n' "bind 127.0.0.1" "port $REDIS_PORT" "daemonize yes" \
+                "pidfile $REDIS_PID" "dir $REDIS_DIR" "logfile $LOG_DIR/redis.log" \
+                'save ""' "appendonly no" "protected-mode yes" \
+                "requirepass $(secret redis.password)" >"$REDIS_CONF"
+        )
+        redis-server "$REDIS_CONF" 9>&-
+    fi
     local i
     for ((i = 0; i < START_TIMEOUT * 5; i++)); do
         if redis_ping; then
@@ -157,14 +334,23 @@ find_python() {
 
 # The broker answers when a metadata request lists it. Without a python that has
 # confluent_kafka, fall back to "port open and the server logged that it started".
+# In sasl_ssl mode the check logs in as the client user (the password read from its file).
 kafka_answers() {
     port_open "$KAFKA_PORT" || return 1
     local py
     if py="$(find_python)"; then
-        "$py" - "127.0.0.1:$KAFKA_PORT" 2>/dev/null <<'PY'
+        "$py" - "127.0.0.1:$KAFKA_PORT" "$KAFKA_SECURITY" "$TLS_DIR/ca.crt" "$KAFKA_USER" \
+            "$SECRETS_DIR/kafka.password" "$SCRAM_MECHANISM" 2>/dev/null <<'PY'
 import sys
 from confluent_kafka.admin import AdminClient
-admin = AdminClient({"bootstrap.servers": sys.argv[1], "socket.timeout.ms": 3000, "log_level": 0})
+bootstrap, mode, ca, user, password_file, mechanism = sys.argv[1:7]
+conf = {"bootstrap.servers": bootstrap, "socket.timeout.ms": 3000, "log_level": 0}
+if mode == "sasl_ssl":
+    with open(password_file) as f:
+        password = f.read().strip()
+    conf |= {"security.protocol": "SASL_SSL", "sasl.mechanism": mechanism,
+             "sasl.username": user, "sasl.password": password, "ssl.ca.location": ca}
+admin = AdminClient(conf)
 sys.exit(0 if admin.list_topics(timeout=5).brokers else 1)
 PY
     else
@@ -200,18 +386,54 @@ gather_jars() {
     echo "$want" >"$stamp"
 }
 
-write_config() {
-    mkdir -p "$KAFKA_DIR" "$KAFKA_DATA" "$LOG_DIR"
-    cat >"$KAFKA_DIR/server.properties" <<EOF
-# Written by compose/stack.sh; edits are overwritten on the next 'up'.
-process.roles=broker,controller
-node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT
+# The listeners. plaintext: PLAINTEXT on the broker port, a PLAINTEXT controller.
+# sasl_ssl: SASL_SSL (SCRAM) on the broker port, also the inter-broker listener (user
+# '$BROKER_USER'), and the controller listener on SSL with client certificates required (SCRAM
+# cannot serve a KRaft controller: its credentials live in the metadata the controller serves).
+listener_config() {
+    if [[ $KAFKA_SECURITY == plaintext ]]; then
+        cat <<EOF
 listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
 advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+EOF
+        return 0
+    fi
+    local store_pw
+    store_pw="$(secret keystore.password)"
+    cat <<EOF
+listeners=SASL_SSL://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
+advertised.listeners=SASL_SSL://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$CONTROLLER_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=SASL_SSL
+listener.security.protocol.map=CONTROLLER:SSL,SASL_SSL:SASL_SSL
+sasl.enabled.mechanisms=$SCRAM_MECHANISM
+sasl.mechanism.inter.broker.protocol=$SCRAM_MECHANISM
+listener.name.sasl_ssl.${SCRAM_MECHANISM,,}.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="$BROKER_USER" password="$(secret broker.password)";
+listener.name.controller.ssl.client.auth=required
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$TLS_DIR/broker.p12
+ssl.keystore.password=$store_pw
+ssl.key.password=$store_pw
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS_DIR/ca.crt
+ssl.endpoint.identification.algorithm=https
+EOF
+}
+
+write_config() {
+    mkdir -p "$KAFKA_DIR" "$KAFKA_DATA" "$LOG_DIR"
+    # 0600: in sasl_ssl mode it holds the keystore and the inter-broker passwords.
+    (umask 077 && : >"$KAFKA_DIR/server.properties")
+    chmod 600 "$KAFKA_DIR/server.properties"
+    cat >"$KAFKA_DIR/server.properties" <<EOF
+# Written by compose/stack.sh; edits are overwritten on the next 'up'.
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$CONTROLLER_PORT
+$(listener_config)
 log.dirs=$KAFKA_DATA
 
 # One node: every internal topic has one replica.
@@ -279,15 +501,45 @@ format_storage() {
     # The controller's endpoint is written into the metadata log here; a different
     # TOLK_KAFKA_CONTROLLER_PORT later needs 'clean' first.
     echo "$CONTROLLER_PORT" >"$KAFKA_DIR/controller.port"
+    local scram=()
+    if [[ $KAFKA_SECURITY == sasl_ssl ]]; then
+        # The SCRAM users go into the metadata log at format time (there is no broker to ask
+        # yet). The one command line that carries the passwords, for the seconds it runs.
+        scram=(--add-scram "$SCRAM_MECHANISM=[name=$KAFKA_USER,password=$(secret kafka.password)]"
+            --add-scram "$SCRAM_MECHANISM=[name=$BROKER_USER,password=$(secret broker.password)]")
+    fi
     java_cmd kafka.tools.StorageTool format -t "$cluster_id" \
-        -c "$KAFKA_DIR/server.properties" --standalone --ignore-formatted \
+        -c "$KAFKA_DIR/server.properties" --standalone --ignore-formatted "${scram[@]}" \
         >"$LOG_DIR/kafka-format.log" 2>&1 \
         || { cat "$LOG_DIR/kafka-format.log" >&2; die "formatting the Kafka storage failed"; }
+    printf '%s\n' "$(formatted_as)" >"$KAFKA_DIR/security.formatted"
+}
+
+# What a storage was formatted for: the mode and, in sasl_ssl mode, a hash of the user and the
+# password (the SCRAM credentials in its metadata).
+formatted_as() {
+    if [[ $KAFKA_SECURITY == plaintext ]]; then
+        echo plaintext
+    else
+        echo "sasl_ssl $(printf '%s:%s' "$KAFKA_USER" "$(secret kafka.password)" | sha256sum | cut -c1-16)"
+    fi
+}
+
+check_formatted_mode() {
+    [[ -f $KAFKA_DATA/meta.properties ]] || return 0
+    local was="plaintext"
+    [[ ! -s $KAFKA_DIR/security.formatted ]] || was="$(<"$KAFKA_DIR/security.formatted")"
+    [[ $was == "$(formatted_as)" ]] && return 0
+    local what="'${was%% *}'"
+    [[ ${was%% *} != "$KAFKA_SECURITY" ]] || what="other SCRAM credentials (user or password)"
+    die "the Kafka storage under $KAFKA_DIR was formatted for $what; run \
+'bash compose/stack.sh clean' to start over as '$KAFKA_SECURITY'"
 }
 
 kafka_up() {
     local pid
     if pid="$(kafka_pid)"; then
+        check_formatted_mode  # a broker of another mode would never answer this one's check
         log "kafka already running (pid $pid) on 127.0.0.1:$KAFKA_PORT"
         wait_for_kafka "$pid"
         return 0
@@ -305,8 +557,9 @@ kafka_up() {
         die "the storage was formatted for controller port $(<"$KAFKA_DIR/controller.port"); \
 run 'bash compose/stack.sh clean' to start over with $CONTROLLER_PORT"
     fi
+    check_formatted_mode
     format_storage
-    log "starting Kafka $KAFKA_VERSION on 127.0.0.1:$KAFKA_PORT (controller 127.0.0.1:$CONTROLLER_PORT)"
+    log "starting Kafka $KAFKA_VERSION on 127.0.0.1:$KAFKA_PORT ($KAFKA_SECURITY, controller 127.0.0.1:$CONTROLLER_PORT)"
     rm -f "$KAFKA_PID"
     [[ ! -f $LOG_DIR/kafka.out ]] || mv -f "$LOG_DIR/kafka.out" "$LOG_DIR/kafka.out.prev"
     # Where this start's lines begin in the server log, for the tail on failure.
@@ -366,32 +619,42 @@ status() {
     local rc=0 pid
     if pid="$(kafka_pid)"; then
         if kafka_answers; then
-            echo "kafka: running (pid $pid) on 127.0.0.1:$KAFKA_PORT, Apache Kafka $KAFKA_VERSION"
+            echo "kafka: running (pid $pid) on 127.0.0.1:$KAFKA_PORT, Apache Kafka $KAFKA_VERSION$(security_note)"
         else
             echo "kafka: starting or unhealthy (pid $pid), not answering on 127.0.0.1:$KAFKA_PORT"
             rc=3
         fi
     elif kafka_answers; then
-        echo "kafka: running (not started by this script) on 127.0.0.1:$KAFKA_PORT"
+        echo "kafka: running (not started by this script) on 127.0.0.1:$KAFKA_PORT$(security_note)"
     else
         echo "kafka: stopped"
         rc=3
     fi
     if pid="$(redis_pid)"; then
         if redis_ping; then
-            echo "redis: running (pid $pid) on 127.0.0.1:$REDIS_PORT"
+            echo "redis: running (pid $pid) on 127.0.0.1:$REDIS_PORT$(redis_note)"
         else
             echo "redis: unhealthy (pid $pid), not answering on 127.0.0.1:$REDIS_PORT"
             rc=3
         fi
     elif redis_ping; then
-        echo "redis: running (not started by this script) on 127.0.0.1:$REDIS_PORT"
+        echo "redis: running (not started by this script) on 127.0.0.1:$REDIS_PORT$(redis_note)"
     else
         echo "redis: stopped"
         rc=3
     fi
     echo "state: $STATE_DIR"
+    [[ ! -s $CLIENT_ENV ]] || echo "client credentials: $CLIENT_ENV"
     return "$rc"
+}
+
+security_note() {
+    [[ $KAFKA_SECURITY == plaintext ]] \
+        || echo " (SASL_SSL $SCRAM_MECHANISM, CA $TLS_DIR/ca.crt)"
+}
+
+redis_note() {
+    [[ $REDIS_AUTH -eq 0 ]] || echo " (password required)"
 }
 
 with_lock() {
@@ -402,8 +665,10 @@ with_lock() {
     "$@"
 }
 
+[[ ${1:-} == __exec-java ]] || resolve_mode
+
 case "${1:-}" in
-    up) with_lock redis_up && with_lock kafka_up ;;
+    up) with_lock prepare_secrets && with_lock redis_up && with_lock kafka_up && record_mode ;;
     down) with_lock kafka_down && with_lock redis_down ;;
     status) status ;;
     __exec-java)
@@ -414,8 +679,8 @@ case "${1:-}" in
     clean)
         with_lock kafka_down
         with_lock redis_down
-        rm -rf "$KAFKA_DIR" "$REDIS_DIR"
-        log "removed $KAFKA_DIR and $REDIS_DIR"
+        rm -rf "$KAFKA_DIR" "$REDIS_DIR" "$SECRETS_DIR" "$TLS_DIR" "$MODE_FILE"
+        log "removed $KAFKA_DIR, $REDIS_DIR and the certificates and secrets"
         ;;
     *)
         echo "usage: $0 up|down|status|clean" >&2

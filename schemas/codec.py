@@ -18,6 +18,11 @@ Design notes
   either ints or aware datetimes. ``AvroCodec(timestamps="datetime")`` decodes datetimes.
 * Every failure is a ``SchemaError`` (raised ``from`` fastavro's exception), so callers catch
   one type and send the record to the dead-letter topic.
+* Limits. Before fastavro sees a body, ``schemas/limits.py`` walks it and rejects one that
+  declares a string or bytes value, an array or a map larger than the codec's ``DecodeLimits``
+  (or larger than the data it holds), so a crafted record cannot make the decoder allocate
+  what it declares (a 2 GB string in a 30-byte record). ``AvroCodec(limits=...)`` configures
+  them; the default allows 1 MiB per string, 10,000 items per map or array, nesting 32 deep.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ import fastavro
 from fastavro.schema import fingerprint as _fastavro_fingerprint
 from fastavro.schema import to_parsing_canonical_form
 
+from schemas.limits import DEFAULT_LIMITS, BodyScanner, DecodeLimits, LimitExceeded, WireLayout
+from schemas.limits import compile_layout as _compile_layout
+
 __all__ = [
     "DEAD_LETTER",
     "REQUEST",
     "RESULT",
     "AvroCodec",
+    "DecodeLimits",
     "SchemaError",
     "SchemaIds",
     "builtin_schemas",
@@ -106,6 +115,7 @@ class _Writer:
     fingerprint: bytes  # 8 bytes as on the wire
     encode_schema: Any  # parsed, with logical types: accepts ints and datetimes
     decode_schema: Any  # parsed, timestamps stripped in "millis" mode
+    layout: WireLayout  # for the size check before decoding (schemas/limits.py)
 
 
 def schema_fingerprint(schema: Mapping[str, Any] | str) -> bytes:
@@ -164,9 +174,10 @@ def _make_writer(raw: Mapping[str, Any], timestamps: Timestamps) -> _Writer:
         else:
             decode_schema = encode_schema
         fp = schema_fingerprint(raw_copy)
+        layout = _compile_layout(raw_copy)
     except Exception as exc:
         raise SchemaError(f"invalid Avro schema {raw.get('name')!r}: {exc}") from exc
-    return _Writer(_full_name(raw), fp, encode_schema, decode_schema)
+    return _Writer(_full_name(raw), fp, encode_schema, decode_schema, layout)
 
 
 class AvroCodec:
@@ -174,7 +185,8 @@ class AvroCodec:
 
     ``schemas`` are the reader schemas by full name (default: the built-in ones); they are
     also the schemas ``encode`` writes with. A codec is cheap to make and safe to share
-    between threads once its writer schemas are registered.
+    between threads once its writer schemas are registered. ``limits``: what one body may
+    declare (checked before decoding, see the module notes).
     """
 
     def __init__(
@@ -183,10 +195,12 @@ class AvroCodec:
         *,
         registry: SchemaIds | None = None,
         timestamps: Timestamps = "millis",
+        limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
         if timestamps not in ("millis", "datetime"):
             raise ValueError(f"timestamps must be 'millis' or 'datetime', not {timestamps!r}")
         self._timestamps: Timestamps = timestamps
+        self._scanner = BodyScanner(limits)
         self._registry = registry
         if schemas is None:
             readers = dict(_builtin_writers(timestamps))
@@ -215,6 +229,11 @@ class AvroCodec:
                 self._id_of[current.fingerprint] = schema_id
 
     # ------------------------------------------------------------------ schemas
+
+    @property
+    def limits(self) -> DecodeLimits:
+        """What one body may declare (checked before decoding)."""
+        return self._scanner.limits
 
     @property
     def names(self) -> list[str]:
@@ -354,6 +373,11 @@ class AvroCodec:
     def _read_body(
         self, data: bytes, offset: int, writer: _Writer, reader_schema: Any
     ) -> dict[str, Any]:
+        try:
+            self._scanner.check(writer.layout, data, offset)
+        except LimitExceeded as exc:
+            what = "rejected" if exc.over_limit else "malformed"
+            raise SchemaError(f"{what} {writer.name} body: {exc}") from exc
         buf = io.BytesIO(data)
         buf.seek(offset)
         try:

@@ -69,6 +69,18 @@ def _settings(**overrides: Any) -> Any:
     return Settings.from_env(**kw)
 
 
+def _check_broker_or_exit(settings: Any) -> None:
+    """Fail fast, before the model loads, when the broker cannot be reached with the
+    configured security settings (a protocol mismatch, bad credentials, an unknown CA)."""
+    from workers.kafka_config import KafkaConnectionError, check_broker
+
+    try:
+        check_broker(settings.kafka_common())
+    except KafkaConnectionError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 @topics_app.command("create")
 def topics_create(
     languages: LanguagesOpt = None,
@@ -119,7 +131,8 @@ def worker(
     settings = _settings(
         model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port
     )
-    logging.getLogger(__name__).info("settings: %r", settings)
+    logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
+    _check_broker_or_exit(settings)
 
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
@@ -163,9 +176,7 @@ def translate(
         async with TranslationClient(
             settings.bootstrap,
             topic_prefix=settings.topic_prefix,
-            kafka_config={
-                k: v for k, v in settings.kafka_common().items() if k != "bootstrap.servers"
-            },
+            kafka_config=settings.kafka_security(),
         ) as client:
             reply = await client.translate(text, to=to, src=src, deadline=timeout, timeout=timeout)
             return reply.text

@@ -15,6 +15,24 @@ out, so every reply to a request sent afterwards lies at or after the pinned off
 
 confluent-kafka is blocking, so one background thread polls the consumer (and serves the
 producer's delivery reports) and hands results to the event loop with `call_soon_threadsafe`.
+
+No request is lost silently, and no `translate()` waits forever:
+
+* a full local queue (`BufferError` from produce) is backed off on the event loop (5 ms
+  doubling to 0.25 s, while the poll thread serves delivery reports that free room) until the
+  request's wait runs out, then `TranslationQueueFull` says so;
+* while the broker is unreachable librdkafka keeps retrying an accepted request until its
+  `message.timeout.ms`, the client's `delivery_timeout` (default: `default_timeout` +
+  `deadline_grace`, the longest a request without a deadline is waited for); a request whose
+  delivery timed out (or failed for another passing reason) is sent again, with the same
+  request id, for as long as `translate()` still waits for it (its deadline + grace, or its
+  `timeout`). So a request sent during a broker restart is delivered once the broker is back;
+* a delivery that fails for good (no such topic, too large, not authorized), or still fails
+  when the request's wait is over, resolves the request's future at once with
+  `TranslationNotDelivered` (the topic and librdkafka's reason); a produce() that raises
+  likewise; a timeout says whether the broker ever acknowledged the request.
+
+The reply and error types live in `workers.client_types` (re-exported here).
 """
 
 from __future__ import annotations
@@ -25,7 +43,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -35,11 +53,22 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from schemas.codec import SchemaError, decode_result, encode_request
 from topics.catalog import REPLIES, request_topic
+from workers.client_types import (
+    TranslationError,
+    TranslationFailed,
+    TranslationNotDelivered,
+    TranslationQueueFull,
+    TranslationReply,
+    TranslationTimeout,
+)
+from workers.kafka_config import KafkaConnectionError, check_broker
 
 __all__ = [
     "TranslationClient",
     "TranslationError",
     "TranslationFailed",
+    "TranslationNotDelivered",
+    "TranslationQueueFull",
     "TranslationReply",
     "TranslationTimeout",
 ]
@@ -57,74 +86,37 @@ _TRANSIENT_METADATA_CODES = frozenset(
 )
 
 
-class TranslationError(RuntimeError):
-    """Base of the client's errors."""
+# Backing off a full local producer queue: the first wait, doubled up to the last.
+_QUEUE_FULL_FIRST_DELAY_S = 0.005
+_QUEUE_FULL_MAX_DELAY_S = 0.25
+_RESEND_DELAY_S = 0.1  # before sending an undelivered request again (doubled, up to 1.6 s)
+# Delivery errors no resend can fix: the request fails at once.
+_PERMANENT_PRODUCE_CODES = frozenset(
+    {
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError._INVALID_ARG,
+    }
+)
 
 
-class TranslationTimeout(TranslationError, TimeoutError):
-    """No reply arrived in time."""
+@dataclass(slots=True)
+class _Send:
+    """One request on its way to the broker (the event loop's view)."""
 
-    def __init__(self, request_id: str, waited_s: float, detail: str = "") -> None:
-        self.request_id = request_id
-        self.waited_s = waited_s
-        super().__init__(
-            f"no reply to request {request_id} after {waited_s:.1f}s"
-            + (f" ({detail})" if detail else "")
-        )
-
-
-class TranslationFailed(TranslationError):
-    """The worker answered with a status other than OK."""
-
-    def __init__(self, status: str, error: str | None, reply: TranslationReply | None = None):
-        self.status = status
-        self.error = error
-        self.reply = reply
-        rid = f" for request {reply.request_id}" if reply else ""
-        super().__init__(f"translation {status}{rid}: {error or 'no reason given'}")
-
-
-@dataclass(frozen=True, slots=True)
-class TranslationReply:
-    """A decoded TranslationResult."""
-
-    request_id: str
-    status: str  # OK / ERROR / REJECTED / EXPIRED
-    text: str
-    error: str | None
-    model_version: str
-    source_lang: str
-    target_lang: str
-    timings: Mapping[str, float]  # queue_ms, prefill_ms, decode_ms, total_ms
-    tokens_in: int
-    tokens_out: int
-    cached_prefix_tokens: int
-    worker_id: str
-    completed_at: int  # epoch millis
-    conversation_id: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "OK"
-
-    @classmethod
-    def from_record(cls, r: Mapping[str, Any]) -> TranslationReply:
-        return cls(
-            request_id=r["request_id"],
-            status=r["status"],
-            text=r["text"],
-            error=r.get("error"),
-            model_version=r["model_version"],
-            source_lang=r["source_lang"],
-            target_lang=r["target_lang"],
-            timings=dict(r["timings"]),
-            tokens_in=r["tokens_in"],
-            tokens_out=r["tokens_out"],
-            cached_prefix_tokens=r["cached_prefix_tokens"],
-            worker_id=r["worker_id"],
-            completed_at=int(r["completed_at"]),
-            conversation_id=r.get("conversation_id"),
-        )
+    rid: str
+    topic: str
+    value: bytes
+    key: bytes
+    give_up_at: float  # monotonic: when translate() stops waiting for it
+    on_delivery: Callable[[KafkaError | None, Any], None] | None = None
+    resends: int = 0  # times it was produced again after a failed delivery
 
 
 def _seconds(value: timedelta | float | None) -> float | None:
@@ -149,12 +141,24 @@ class TranslationClient:
         raise_on_error: bool = True,
         start_timeout: float = 30.0,
         kafka_config: Mapping[str, Any] | None = None,
+        delivery_timeout: float | None = None,
+        producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+        consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
+        check_connection: bool = True,
     ) -> None:
         """`topic_prefix` is prepended to the request topics (and to the default reply topic),
         matching the worker's setting. `default_timeout`: how long `translate` waits when no
         deadline is given; with a deadline it waits the deadline plus `deadline_grace` (the
         worker answers EXPIRED once it passes). `kafka_config`: extra properties (security)
-        for both the producer and the consumer."""
+        for both the producer and the consumer. `delivery_timeout` (seconds): how long
+        librdkafka keeps retrying a request the broker does not acknowledge (a broker outage)
+        before reporting it failed (then the client sends it again while the request is still
+        waited for); default `default_timeout + deadline_grace`. The factories build the Kafka
+        clients from their config (tests).
+        `check_connection`: `start()` first makes one metadata request with `kafka_config`
+        (`workers.kafka_config.check_broker`) and fails at once with a readable reason (a
+        security protocol mismatch, bad credentials, an unknown CA); skipped with a custom
+        producer factory."""
         self.bootstrap = bootstrap
         self.topic_prefix = topic_prefix
         self.reply_topic = reply_topic or topic_prefix + REPLIES
@@ -164,6 +168,16 @@ class TranslationClient:
         self.start_timeout = start_timeout
         self.group_id = f"tolk-client-{uuid.uuid4().hex}"
         self._extra = dict(kafka_config or {})
+        self._check_connection = check_connection and producer_factory is Producer
+        self.delivery_timeout = (
+            default_timeout + deadline_grace if delivery_timeout is None else delivery_timeout
+        )
+        if self.delivery_timeout <= 0:
+            raise ValueError(f"delivery_timeout must be > 0, got {self.delivery_timeout!r}")
+        self._producer_factory = producer_factory
+        self._consumer_factory = consumer_factory
+        self._acked: set[str] = set()  # request ids the broker acknowledged (event loop only)
+        self._resends: set[asyncio.Task[None]] = set()  # requests being sent again
         self._producer: Any = None
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
@@ -193,10 +207,21 @@ class TranslationClient:
             return
         self._loop = asyncio.get_running_loop()
         common = {"bootstrap.servers": self.bootstrap, **self._extra}
-        self._producer = Producer(
-            {**common, "enable.idempotence": True, "acks": "all", "linger.ms": 2}
+        if self._check_connection:
+            try:
+                await asyncio.to_thread(check_broker, common, min(self.start_timeout, 10.0))
+            except KafkaConnectionError as exc:
+                raise TranslationError(f"client could not start: {exc}") from None
+        self._producer = self._producer_factory(
+            {
+                **common,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 2,
+                "message.timeout.ms": max(1, round(self.delivery_timeout * 1000)),
+            }
         )
-        self._consumer = Consumer(
+        self._consumer = self._consumer_factory(
             {
                 **common,
                 "group.id": self.group_id,
@@ -355,35 +380,92 @@ class TranslationClient:
         fut: asyncio.Future[TranslationReply] = loop.create_future()
         self._pending[rid] = fut
 
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:  # poll thread
-            if err is not None:
-                loop.call_soon_threadsafe(
-                    self._fail, rid, f"request not delivered to {topic}: {err}"
-                )
-
         started = time.monotonic()
+        key = (conversation_id or rid).encode()
+        send = _Send(rid, topic, value, key, give_up_at=started + timeout)
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:  # poll thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_request_delivery, send, err)
+
+        send.on_delivery = on_delivery
         try:
-            self._producer.produce(
-                topic, value=value, key=(conversation_id or rid).encode(), on_delivery=on_delivery
-            )
-            reply = await asyncio.wait_for(fut, timeout)
+            await self._produce(send)
+            left = timeout - (time.monotonic() - started)
+            reply = await asyncio.wait_for(fut, max(0.0, left))
         except TimeoutError:
-            raise TranslationTimeout(
-                rid,
-                time.monotonic() - started,
-                f"sent to {topic}, waiting on {self.reply_topic}; is a worker running?",
-            ) from None
+            if rid in self._acked:
+                detail = f"sent to {topic}, waiting on {self.reply_topic}; is a worker running?"
+            else:
+                detail = f"the request to {topic} was not acknowledged by the broker yet"
+            raise TranslationTimeout(rid, time.monotonic() - started, detail) from None
         finally:
             self._pending.pop(rid, None)
+            self._acked.discard(rid)
         check = self.raise_on_error if raise_on_error is None else raise_on_error
         if check and not reply.ok:
             raise TranslationFailed(reply.status, reply.error, reply)
         return reply
 
-    def _fail(self, rid: str, why: str) -> None:
+    async def _produce(self, send: _Send) -> None:
+        """Produce one request; a full local queue is backed off on the event loop (the poll
+        thread serves the delivery reports that make room) until `send.give_up_at`."""
+        delay = _QUEUE_FULL_FIRST_DELAY_S
+        attempts = 0
+        started = time.monotonic()
+        while True:
+            attempts += 1
+            try:
+                self._producer.produce(
+                    send.topic, value=send.value, key=send.key, on_delivery=send.on_delivery
+                )
+                return
+            except BufferError:
+                now = time.monotonic()
+                if now >= send.give_up_at or self._closing.is_set():
+                    raise TranslationQueueFull(
+                        send.rid, send.topic, attempts, now - started
+                    ) from None
+                await asyncio.sleep(min(delay, send.give_up_at - now))
+                delay = min(delay * 2, _QUEUE_FULL_MAX_DELAY_S)
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else exc
+                raise TranslationNotDelivered(send.rid, send.topic, str(err)) from exc
+
+    def _on_request_delivery(self, send: _Send, err: KafkaError | None) -> None:  # event loop
+        if send.rid not in self._pending:
+            return  # translate() has returned (timed out, or the reply came first)
+        if err is None:
+            self._acked.add(send.rid)
+            return
+        cause = str(err)
+        if err.code() == KafkaError._MSG_TIMED_OUT:
+            cause += f" (no broker acknowledged it within {self.delivery_timeout:g} s)"
+        time_left = send.give_up_at - time.monotonic()
+        if err.code() in _PERMANENT_PRODUCE_CODES or time_left <= 0 or self._closing.is_set():
+            self._fail(send.rid, TranslationNotDelivered(send.rid, send.topic, cause))
+            return
+        # Passing (the broker was unreachable for the whole delivery timeout, ...): send it
+        # again while the request is still waited for; the worker answers a request id once.
+        send.resends += 1
+        log.warning("request %s not delivered (%s); sending it again", send.rid, cause)
+        task = asyncio.get_running_loop().create_task(self._resend(send, time_left))
+        self._resends.add(task)
+        task.add_done_callback(self._resends.discard)
+
+    async def _resend(self, send: _Send, time_left: float) -> None:
+        await asyncio.sleep(min(time_left, _RESEND_DELAY_S * 2 ** min(send.resends - 1, 4)))
+        if send.rid not in self._pending:
+            return
+        try:
+            await self._produce(send)
+        except TranslationError as exc:
+            self._fail(send.rid, exc)
+
+    def _fail(self, rid: str, error: TranslationError) -> None:
         fut = self._pending.pop(rid, None)
         if fut is not None and not fut.done():
-            fut.set_exception(TranslationError(why))
+            fut.set_exception(error)
 
     async def translate_many(
         self,

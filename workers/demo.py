@@ -128,7 +128,8 @@ def main(
     settings = Settings.from_env(
         languages=langs, topic_prefix=DEMO_PREFIX, group_id=DEMO_GROUP, metrics_port=0
     )
-    redis_hostport = settings.redis_url.split("//", 1)[-1].split("/", 1)[0]
+    # host:port only: the URL may carry the redis password (`redis://:pw@host:port/0`).
+    redis_hostport = settings.redis_url.split("//", 1)[-1].split("/", 1)[0].rpartition("@")[2]
     if not (_port_open(settings.bootstrap) and _port_open(redis_hostport)):
         if stack_up is None:
             echo(f"Kafka ({settings.bootstrap}) or redis ({redis_hostport}) is not answering")

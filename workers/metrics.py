@@ -152,6 +152,55 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        # -- failures the worker rides out (workers/worker.py, workers/results_store.py) --
+        self.seek_failures_total = Counter(
+            "worker_seek_failures_total",
+            "Rewinds of an over-quota partition (seek) that failed; the partition is held "
+            "paused and the seek retried, by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.revoked_answers_total = Counter(
+            "revoked_answers_total",
+            "Engine results of records whose partition was revoked while they were in flight: "
+            "dropped (the partition's new owner answers) or answered (re-assigned here, or "
+            "already committed).",
+            ["outcome"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_retries_total = Counter(
+            "engine_retries_total",
+            "Requests submitted to the engine again after their run failed (ERROR), by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.store_degraded_total = Counter(
+            "store_degraded_total",
+            "Result-store operations that failed or were skipped while it is unreachable "
+            "(dedupe degraded, translation goes on), by op (get / put).",
+            ["op"],
+            namespace=ns,
+            registry=registry,
+        )
+        # -- the reply path's retry queue (workers/reply_publisher.py) --
+        self.reply_retries_total = Counter(
+            "reply_retries_total",
+            "Replies and dead letters produced again after a failed produce or delivery, by "
+            "kind (reply / dead_letter).",
+            ["kind"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.reply_retry_pending = Gauge(
+            "reply_retry_pending",
+            "Replies and dead letters that failed at least once and are not delivered yet "
+            "(their offsets hold their partitions' commit points).",
+            namespace=ns,
+            registry=registry,
+        )
 
     def init_languages(self, languages: tuple[str, ...]) -> None:
         """Create the per-language series at zero so dashboards see them before traffic."""

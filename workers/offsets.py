@@ -11,6 +11,12 @@ Offsets are not contiguous (compaction, transaction markers), so the tracker nev
 consumer delivered them. A record that was never handed (e.g. skipped during shutdown) lies at
 or above the commit point, so it is read again after a restart.
 
+Assignment generations: every `assign()` of a partition gives it a new generation number
+(increasing over the tracker's life), so a record taken under one assignment can be told apart
+from the same partition assigned again later (`generation()`); `revoke()` remembers the last
+committed offset of the partitions it forgets (`committed_when_revoked()`), so the worker can
+tell whether an in-flight record of a revoked partition was committed already.
+
 Pure bookkeeping: no Kafka imports, not thread-safe (the worker's poll thread owns it; delivery
 callbacks run on that thread inside `producer.poll()`).
 """
@@ -32,6 +38,7 @@ class _PartitionState:
     done_ahead: set[int] = field(default_factory=set)  # done offsets still behind a pending head
     next_offset: int | None = None  # last handed offset + 1 (None: nothing handed yet)
     committed: int | None = None  # what we last committed (None: nothing this assignment)
+    generation: int = 0  # which assignment of the partition this state belongs to
 
     def commit_point(self) -> int | None:
         if self.pending:
@@ -44,18 +51,34 @@ class OffsetTracker:
 
     def __init__(self) -> None:
         self._parts: dict[TopicPartitionKey, _PartitionState] = {}
+        self._generations = 0  # assignments so far (the last generation handed out)
+        self._revoked_committed: dict[TopicPartitionKey, int | None] = {}
 
     # -- assignment ---------------------------------------------------------------------------
 
     def assign(self, partitions: Iterable[TopicPartitionKey]) -> None:
         """Start tracking these partitions (already tracked ones keep their state)."""
         for tp in partitions:
-            self._parts.setdefault(tp, _PartitionState())
+            if tp not in self._parts:
+                self._generations += 1
+                self._parts[tp] = _PartitionState(generation=self._generations)
+                self._revoked_committed.pop(tp, None)
 
     def revoke(self, partitions: Iterable[TopicPartitionKey]) -> None:
         """Forget these partitions: their late completions are ignored from now on."""
         for tp in partitions:
-            self._parts.pop(tp, None)
+            state = self._parts.pop(tp, None)
+            if state is not None:
+                self._revoked_committed[tp] = state.committed
+
+    def generation(self, tp: TopicPartitionKey) -> int | None:
+        """The current assignment generation of `tp` (None: not assigned)."""
+        state = self._parts.get(tp)
+        return None if state is None else state.generation
+
+    def committed_when_revoked(self, tp: TopicPartitionKey) -> int | None:
+        """The offset last committed for `tp` before it was revoked (None: unknown)."""
+        return self._revoked_committed.get(tp)
 
     def assigned(self) -> frozenset[TopicPartitionKey]:
         return frozenset(self._parts)
@@ -74,8 +97,7 @@ class OffsetTracker:
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset!r}")
         if state.next_offset is not None and offset < state.next_offset:
-            committed = state.committed
-            state = _PartitionState(committed=committed)
+            state = _PartitionState(committed=state.committed, generation=state.generation)
             self._parts[tp] = state
         state.pending.append(offset)
         state.next_offset = offset + 1

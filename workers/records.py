@@ -1,4 +1,12 @@
-"""What the worker holds between reading a record and answering it."""
+"""What the worker holds between reading a record and answering it.
+
+A record remembers the assignment generation of its partition when it was taken
+(`OffsetTracker.generation`): a partition revoked and assigned again starts a new generation,
+so the worker can tell "still mine, same assignment" from "mine again" from "gone" when the
+record's result comes back (`PartitionState.ownership`). An in-flight request counts the engine
+runs it had (`attempts`): a failed run (ERROR) is retried up to `Settings.max_attempts`
+(workers.retries).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ class ConsumedRecord:
     lang: str  # the topic's language: the metric label and the intake bucket
     broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
     request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
+    generation: int = 0  # the partition's assignment generation when the record was taken
 
     @property
     def request_id(self) -> str:
@@ -37,3 +46,4 @@ class InFlight:
     handle: RequestHandle  # the engine's future
     records: list[ConsumedRecord]  # the first one is answered (and stored) first
     submitted_ms: int  # wall clock when handed to the engine
+    attempts: int = 1  # engine runs so far (a failed run is retried: workers.retries)

@@ -7,20 +7,54 @@
   and histograms, and the tokens generated over the last `TOKEN_RATE_WINDOW_S`, a gauge the
   worker refreshes with `update_token_rate()`);
 * produce it with the worker's idempotent producer to the request's reply topic, keyed by the
-  request id (a full local queue is waited out by serving delivery reports, then retried);
+  request id;
 * in the reply's delivery callback, and only there: store it in the results store under the
   request id (so a redelivery after a crash is answered from the store, not translated again)
   and mark the record's offset done (`mark_done`, the worker's `PartitionState.mark_done`);
-* a reply that cannot be produced or delivered becomes a dead letter instead (a missing reply
-  topic also drops that topic from the `ReplyTopicChecker` cache);
 * a dead letter carries the original record byte for byte and its reason; its offset is done
-  once it is delivered, or once it failed for good (a lost dead letter must not stall the
-  partition's commits forever, so it is logged and counted instead).
+  once it is delivered, never before;
+* a request that failed for good in the engine (a poison request) gets both, in this order: a
+  dead letter (the record, for the operator) and then an ERROR reply with the same reason (for
+  the client, who would otherwise wait out its timeout): `dead_letter_and_reply_error()`.
 
-At-least-once, answered once: an offset is never marked done before its answer is delivered,
-so the commit (the lowest offset not done, `workers.offsets`) never passes an unanswered
-record. Between produce and delivery the reply bytes are held in `pending_reply()`, so a
-duplicate of the request read meanwhile is answered with the same bytes.
+At-least-once, answered once: an offset is never marked done before its answer (the reply or
+the dead letter) is delivered, so the commit (the lowest offset not done, `workers.offsets`)
+never passes an unanswered record. Between the first produce and the final delivery the reply
+bytes are held in `pending_reply()`, so a duplicate of the request read meanwhile (also while
+the reply waits for a retry) is answered with the same bytes.
+
+Failures, and the retry queue
+-----------------------------
+librdkafka already retries a produce inside the producer until `message.timeout.ms`
+(`Settings.delivery_timeout_ms`, 30 s); a delivery report with an error means that time is
+spent. What happens then:
+
+* A reply that failed for good (`PERMANENT_CODES`: the reply topic is missing or not ours to
+  write, the record is too large, the request is invalid) becomes a dead letter at once (a
+  missing topic also drops it from the `ReplyTopicChecker` cache).
+* Any other failure of a reply (timeout, NOT_ENOUGH_REPLICAS, throttling, brokers down, a
+  produce() that raised) puts it on the retry queue: produced again after `retry_delay_s()`
+  (0.5 s doubling up to 30 s). After `reply_attempts` failed deliveries it becomes a dead
+  letter.
+* A dead letter whose delivery fails (or whose produce() raises) is retried the same way, with
+  no bound: its offset stays pending, so its partition's commit point stays behind it while the
+  records after it keep being answered. One too large for the dead-letter topic goes out again
+  at once without the original bytes (topic, partition and offset still point at them).
+* The local queue full (`BufferError`): a first produce waits it out by serving delivery
+  reports for up to `_QUEUE_FULL_ATTEMPTS` x 0.1 s; if it stays full the record goes on the
+  retry queue (never dead-lettered for that, and without spending one of its attempts), and
+  until a produce succeeds again later records go straight there instead of stalling the poll
+  loop.
+
+The worker serves the queue with `retry_due(time.monotonic())` once per loop iteration.
+
+What an operator sees while the dead-letter topic is unavailable (deleted, no leader, no ACL):
+`tolk_reply_retry_pending` stays above 0, `tolk_reply_retries_total{kind="dead_letter"}` and
+`tolk_worker_errors_total{reason="dead_letter_failed"}` rise, an ERROR log line per failed try
+("dead letter ... not delivered (try N), retrying in S s"), and the partition's consumer lag
+grows because its committed offset stays at the oldest undelivered dead letter. Nothing is
+lost: once the topic is back the dead letters go out and the commits move on. A worker stopped
+meanwhile leaves those offsets uncommitted; their records are read again by the next owner.
 
 Threads: everything runs on the worker's poll thread; delivery callbacks are served from
 `producer.poll()` / `flush()` there. The producer is created by the worker when it starts and
@@ -29,10 +63,12 @@ handed over with `attach()`.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -46,17 +82,72 @@ from workers.records import ConsumedRecord, InFlight
 from workers.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
 from workers.results_store import ResultStore, ResultStoreError
 
-__all__ = ["ReplyPublisher"]
+__all__ = [
+    "DEFAULT_REPLY_ATTEMPTS",
+    "PERMANENT_CODES",
+    "ReplyPublisher",
+    "retry_delay_s",
+]
 
 log = logging.getLogger(__name__)
 
-# Produce attempts while the producer's local queue stays full (each waits up to 0.1 s).
-_QUEUE_FULL_ATTEMPTS = 100
+# Produce attempts of a first produce while the producer's local queue stays full (each waits
+# up to 0.1 s serving delivery reports); past them the record goes on the retry queue.
+_QUEUE_FULL_ATTEMPTS = 20
 TOKEN_RATE_WINDOW_S = 5.0  # the tokens-per-second gauge averages over this window
+DEFAULT_REPLY_ATTEMPTS = 5  # deliveries of a reply tried before it becomes a dead letter
+RETRY_FIRST_DELAY_S = 0.5  # the wait after the first failure; doubled after each one more
+RETRY_MAX_DELAY_S = 30.0
+_DEAD_LETTER_DETAIL_CHARS = 1000  # the exception text kept on a slimmed-down dead letter
+
+_TOO_LARGE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# Produce errors that no retry can fix: the record goes elsewhere (a reply: a dead letter).
+PERMANENT_CODES = (
+    MISSING_TOPIC_CODES
+    | _TOO_LARGE_CODES
+    | frozenset(
+        {
+            KafkaError.INVALID_RECORD,
+            KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+            KafkaError._INVALID_ARG,
+        }
+    )
+)
+
+
+def retry_delay_s(failures: int) -> float:
+    """The wait before producing again after `failures` failed attempts (1, 2, ...): 0.5 s,
+    doubling, at most 30 s."""
+    return min(RETRY_MAX_DELAY_S, RETRY_FIRST_DELAY_S * 2.0 ** min(max(failures, 1) - 1, 16))
+
+
+def _error_code(exc: BaseException) -> int | None:
+    """The KafkaError code inside a KafkaException (None for any other exception)."""
+    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return err.code() if isinstance(err, KafkaError) else None
+
+
+@dataclass(eq=False, slots=True)
+class _Outgoing:
+    """One record the publisher has to get delivered: a reply or a dead letter."""
+
+    kind: str  # "reply" | "dead_letter" (the label of tolk_reply_retries_total)
+    rec: ConsumedRecord  # the consumed record it answers
+    topic: str
+    key: bytes | None
+    value: bytes
+    store: bool = False  # a reply: store it in the results store once delivered
+    failures: int = 0  # failed attempts so far (a full local queue does not count)
+    reason: str = ""  # a dead letter: why (its `reason` field) ...
+    detail: str = ""  # ... and the exception's text
+    slim: bool = False  # a dead letter already sent without the original bytes
+    then: _Outgoing | None = None  # sent once this one is delivered; the offset waits for it
 
 
 class ReplyPublisher:
-    """Produces replies and dead letters; stores delivered replies; marks offsets done."""
+    """Produces replies and dead letters, retries failed ones, stores delivered replies, marks
+    offsets done."""
 
     def __init__(
         self,
@@ -67,28 +158,47 @@ class ReplyPublisher:
         dead_letter_topic: str,
         worker_id: str,
         policies: Mapping[str, LanguagePolicy],
-        mark_done: Callable[[tuple[str, int], int], None],
+        mark_done: Callable[[tuple[str, int], int], Any],
         clock_ms: Callable[[], int],
+        reply_attempts: int = DEFAULT_REPLY_ATTEMPTS,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        if reply_attempts < 1:
+            raise ValueError(f"reply_attempts must be >= 1, got {reply_attempts!r}")
         self.store = store
         self.metrics = metrics
         self.dead_letter_topic = dead_letter_topic
         self.worker_id = worker_id
+        self.reply_attempts = reply_attempts
         self._reply_topics = reply_topics  # shared with the worker's intake check
         self._policies = policies  # the SLO of OK replies
         self._mark_done = mark_done
         self._now_ms = clock_ms
+        self._monotonic = monotonic  # the retry queue's clock (that of retry_due's argument)
         self._producer: Any = None
-        self._answered: dict[str, bytes] = {}  # produced, delivery pending: rid -> reply bytes
+        self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
+        self._retry_heap: list[tuple[float, int, _Outgoing]] = []  # (due, seq, what)
+        self._retry_seq = 0  # tie-breaker: equal due times keep their order
+        self._retrying: set[_Outgoing] = set()  # failed at least once, not delivered yet
+        self._queue_full = False  # the last produce found the local queue full for good
 
     def attach(self, producer: Any) -> None:
         """Use `producer` (a confluent-kafka `Producer`, idempotent) from now on."""
         self._producer = producer
 
     def pending_reply(self, request_id: str) -> bytes | None:
-        """The reply produced for `request_id` whose delivery is still pending, if any."""
+        """The reply produced for `request_id` whose delivery is still pending (in the producer
+        or on the retry queue), if any."""
         return self._answered.get(request_id)
+
+    def pending_retries(self) -> int:
+        """Replies and dead letters that failed at least once and are not delivered yet."""
+        return len(self._retrying)
+
+    def next_retry_at(self) -> float | None:
+        """When (on the monotonic clock) the earliest queued retry is due; None if none is."""
+        return self._retry_heap[0][0] if self._retry_heap else None
 
     def update_token_rate(self, now_monotonic: float) -> None:
         """Set the tokens-per-second gauge from the engine results of the last window."""
@@ -150,32 +260,12 @@ class ReplyPublisher:
     def produce_reply(self, rec: ConsumedRecord, value: bytes, *, store: bool) -> None:
         """Produce `value` to the request's reply topic. On delivery: store it (when `store`;
         a reply answered from the store is not stored again) and mark the record done; on
-        failure: a dead letter instead."""
+        failure: retried, or a dead letter instead (see the module docstring)."""
         rid = rec.request_id
         topic = str(rec.request.get("reply_topic", ""))
         if store:
             self._answered[rid] = value
-
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-            if store:
-                self._answered.pop(rid, None)
-            if err is None:
-                if store:
-                    self._store(rec, value)
-                self._mark_done(rec.tp, rec.offset)
-                return
-            if err.code() in MISSING_TOPIC_CODES:
-                self._reply_topics.forget(topic)
-                self.dead_letter(rec, "reply_topic_missing", f"reply to {topic!r} failed: {err}")
-            else:
-                self.dead_letter(rec, "reply_undeliverable", f"reply to {topic!r} failed: {err}")
-
-        try:
-            self._produce(topic, rid.encode("utf-8"), value, on_delivery)
-        except KafkaException as exc:
-            if store:
-                self._answered.pop(rid, None)
-            self.dead_letter(rec, "reply_undeliverable", exc)
+        self._send(_Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store))
 
     def _store(self, rec: ConsumedRecord, value: bytes) -> None:
         try:
@@ -186,9 +276,33 @@ class ReplyPublisher:
 
     # -- dead letters -------------------------------------------------------------------------
 
-    def dead_letter(self, rec: ConsumedRecord, reason: str, exc: BaseException | str) -> None:
+    def dead_letter_and_reply_error(self, rec: ConsumedRecord, reason: str, error: str) -> None:
+        """A request that failed for good (a poison request): dead-letter the record with
+        `reason`, then answer the client ERROR with the same text, so the operator has the
+        record and the client an answer. The offset is done once both are delivered."""
+        now_ms = self._now_ms()
+        reply = plain_reply(
+            rec, worker_id=self.worker_id, status="ERROR", error=f"{reason}: {error}", now_ms=now_ms
+        )
+        self.metrics.requests_total.labels(lang=rec.lang, status="ERROR").inc()
+        self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()
+        rid = rec.request_id
+        value = encode_result(reply)
+        self._answered[rid] = value
+        topic = str(rec.request.get("reply_topic", ""))
+        reply_entry = _Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=True)
+        self.dead_letter(rec, reason, error, then=reply_entry)
+
+    def dead_letter(
+        self,
+        rec: ConsumedRecord,
+        reason: str,
+        exc: BaseException | str,
+        *,
+        then: _Outgoing | None = None,
+    ) -> None:
         """Write the record byte for byte to the dead-letter topic with `reason` and the
-        exception's text; its offset is done when that is delivered or failed for good."""
+        exception's text; its offset is done once that is delivered (retried until it is)."""
         detail = exc if isinstance(exc, str) else repr(exc)
         self.metrics.dead_letters_total.labels(reason=reason).inc()
         log.warning(
@@ -196,20 +310,144 @@ class ReplyPublisher:
         )
         try:
             value = dead_letter_value(rec, reason, detail, self._now_ms())
-
-            def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-                if err is not None:
-                    log.error("dead letter for %s@%d lost: %s", rec.tp, rec.offset, err)
-                    self.metrics.errors_total.labels(
-                        lang=rec.lang, reason="dead_letter_failed"
-                    ).inc()
-                self._mark_done(rec.tp, rec.offset)
-
-            self._produce(self.dead_letter_topic, rec.key, value, on_delivery)
-        except Exception:
-            log.exception("dead letter for %s@%d could not be produced", rec.tp, rec.offset)
+        except Exception:  # a bug (a record that cannot be encoded): no retry would help
+            log.exception("dead letter for %s@%d cannot be encoded", rec.tp, rec.offset)
             self.metrics.errors_total.labels(lang=rec.lang, reason="dead_letter_failed").inc()
-            self._mark_done(rec.tp, rec.offset)
+            if then is not None:
+                self._send(then)
+            else:
+                self._mark_done(rec.tp, rec.offset)
+            return
+        self._send(
+            _Outgoing(
+                "dead_letter",
+                rec,
+                self.dead_letter_topic,
+                rec.key,
+                value,
+                reason=reason,
+                detail=detail,
+                then=then,
+            )
+        )
+
+    # -- retries ------------------------------------------------------------------------------
+
+    def retry_due(self, now_monotonic: float) -> int:
+        """Produce again every queued reply and dead letter due at `now_monotonic` (the
+        worker's loop calls this each iteration); returns how many were produced."""
+        due: list[_Outgoing] = []
+        while self._retry_heap and self._retry_heap[0][0] <= now_monotonic:
+            due.append(heapq.heappop(self._retry_heap)[2])
+        for entry in due:
+            self.metrics.reply_retries_total.labels(kind=entry.kind).inc()
+            self._send(entry, queue_full_attempts=1)
+        return len(due)
+
+    def _send(self, entry: _Outgoing, queue_full_attempts: int = _QUEUE_FULL_ATTEMPTS) -> None:
+        """Produce `entry`; its outcome arrives in `_delivered` / `_failed`."""
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            if err is None:
+                self._delivered(entry)
+            else:
+                self._failed(entry, err.code(), str(err))
+
+        try:
+            self._produce(
+                entry.topic,
+                entry.key,
+                entry.value,
+                on_delivery,
+                1 if self._queue_full else queue_full_attempts,
+            )
+        except Exception as exc:
+            code = _error_code(exc)
+            if code == KafkaError._QUEUE_FULL:
+                self._schedule(entry)  # a full local queue is not an attempt
+            else:
+                self._failed(entry, code, repr(exc))
+
+    def _delivered(self, entry: _Outgoing) -> None:
+        self._retrying.discard(entry)
+        self._update_retry_gauge()
+        rec = entry.rec
+        if entry.kind == "reply" and entry.store:
+            self._answered.pop(rec.request_id, None)
+            self._store(rec, entry.value)
+        if entry.then is not None:  # the next answer of this record; the offset waits for it
+            follow, entry.then = entry.then, None
+            self._send(follow)
+            return
+        self._mark_done(rec.tp, rec.offset)
+
+    def _failed(self, entry: _Outgoing, code: int | None, error: str) -> None:
+        """A produce of `entry` raised (`code` None for a non-Kafka exception) or its delivery
+        failed: retry it, dead-letter it, or (a dead letter too large) slim it down."""
+        entry.failures += 1
+        rec = entry.rec
+        if entry.kind == "reply":
+            why = f"reply to {entry.topic!r} failed: {error}"
+            if code in MISSING_TOPIC_CODES:
+                self._reply_topics.forget(entry.topic)
+                self._give_up_reply(entry, "reply_topic_missing", why)
+            elif code in PERMANENT_CODES:
+                self._give_up_reply(entry, "reply_undeliverable", why)
+            elif entry.failures >= self.reply_attempts:
+                why = f"reply to {entry.topic!r} failed after {entry.failures} attempts: {error}"
+                self._give_up_reply(entry, "reply_undeliverable", why)
+            else:
+                log.warning(
+                    "reply for %s@%d not delivered (try %d of %d): %s",
+                    rec.tp,
+                    rec.offset,
+                    entry.failures,
+                    self.reply_attempts,
+                    error,
+                )
+                self._schedule(entry)
+            return
+        self.metrics.errors_total.labels(lang=rec.lang, reason="dead_letter_failed").inc()
+        if code in _TOO_LARGE_CODES and not entry.slim:
+            self._slim_down(entry, error)
+            self._send(entry)
+            return
+        log.error(
+            "dead letter for %s@%d not delivered (try %d), retrying in %.1f s: %s",
+            rec.tp,
+            rec.offset,
+            entry.failures,
+            retry_delay_s(entry.failures),
+            error,
+        )
+        self._schedule(entry)
+
+    def _give_up_reply(self, entry: _Outgoing, reason: str, why: str) -> None:
+        self._retrying.discard(entry)
+        self._update_retry_gauge()
+        if entry.store:
+            self._answered.pop(entry.rec.request_id, None)
+        self.dead_letter(entry.rec, reason, why)
+
+    def _slim_down(self, entry: _Outgoing, error: str) -> None:
+        """Rebuild a dead letter the topic refused as too large without the original bytes
+        (topic, partition and offset on it still say where they are)."""
+        rec = entry.rec
+        note = f"original of {len(rec.value)} bytes left out: dead letter too large ({error})"
+        slim = ConsumedRecord(rec.tp, rec.offset, rec.key, b"", rec.lang, rec.broker_ts_ms)
+        detail = entry.detail[:_DEAD_LETTER_DETAIL_CHARS]
+        entry.value = dead_letter_value(slim, entry.reason, f"{detail}; {note}", self._now_ms())
+        entry.slim = True
+
+    def _schedule(self, entry: _Outgoing) -> None:
+        self._retrying.add(entry)
+        self._update_retry_gauge()
+        due = self._monotonic() + retry_delay_s(entry.failures)
+        self._retry_seq += 1
+        heapq.heappush(self._retry_heap, (due, self._retry_seq, entry))
+
+    def _update_retry_gauge(self) -> None:
+        self.metrics.reply_retry_pending.set(len(self._retrying))
 
     # -- the producer -------------------------------------------------------------------------
 
@@ -219,13 +457,18 @@ class ReplyPublisher:
         key: bytes | None,
         value: bytes,
         on_delivery: Callable[[KafkaError | None, Any], None],
+        queue_full_attempts: int,
     ) -> None:
         if self._producer is None:
             raise KafkaException(KafkaError(KafkaError._STATE, "no producer attached"))
-        for _ in range(_QUEUE_FULL_ATTEMPTS):
+        for attempt in range(queue_full_attempts):
+            if attempt:
+                self._producer.poll(0.1)  # local queue full: serve delivery reports, retry
             try:
                 self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
-                return
-            except BufferError:  # local queue full: serve delivery reports, then retry
-                self._producer.poll(0.1)
+            except BufferError:
+                continue
+            self._queue_full = False
+            return
+        self._queue_full = True
         raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, "producer queue stays full"))

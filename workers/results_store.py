@@ -7,6 +7,22 @@ topic) with a TTL; the next owner finds it and re-produces the same bytes.
 
 `RedisResultStore` is the real one; `InMemoryResultStore` has the same interface for unit tests.
 Both take explicit arguments (settings are read by the caller).
+
+The store is an optimisation, never a dependency: when redis is down the worker keeps
+translating and only loses the dedupe of redeliveries ("degraded"). Two things keep an outage
+from stalling the worker's poll loop, which calls the store inline (a look-up per consumed
+batch, a put per delivered reply):
+
+* `RedisResultStore` uses short socket connect/read timeouts (`Settings.store_timeout_s`,
+  0.3 s) and no client-side retries (redis-py 6 retries 3 times with backoff by default);
+  redis-py drops a broken connection and opens a new one on the next command, so the store
+  recovers by itself once redis is back.
+* `CircuitBreakerStore` (what the worker wraps any store in) fails fast while the store is
+  known to be down: after a failure every call raises `ResultStoreError` at once for
+  `retry_after_s` (1 s), then one call tries redis again (success closes the breaker). So an
+  outage costs at most one timeout per second instead of one per record. Every failed or
+  skipped call is reported to `on_degraded(op)` (the worker counts it in
+  `tolk_store_degraded_total{op="get"|"put"}`).
 """
 
 from __future__ import annotations
@@ -14,10 +30,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+from workers.redaction import mask_url
+
+_T = TypeVar("_T")
 
 __all__ = [
     "KEY_PREFIX",
+    "CircuitBreakerStore",
     "InMemoryResultStore",
     "RedisResultStore",
     "ResultStore",
@@ -54,20 +75,29 @@ class RedisResultStore:
         url: str = "redis://127.0.0.1:6379/0",
         ttl_s: int = 24 * 3600,
         key_prefix: str = KEY_PREFIX,
-        socket_timeout_s: float = 2.0,
+        socket_timeout_s: float = 0.3,
     ) -> None:
         import redis  # heavy-ish, and only the worker needs it
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1, got {ttl_s!r}")
+        if not socket_timeout_s > 0:
+            raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s!r}")
         self._redis_error: type[Exception] = redis.RedisError
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # fail fast; CircuitBreakerStore paces the retries
         )
         self.ttl_s = ttl_s
         self.key_prefix = key_prefix
+        self.url = mask_url(url)  # for reprs and logs: the password masked
+
+    def __repr__(self) -> str:
+        return f"RedisResultStore(url={self.url!r}, ttl_s={self.ttl_s})"
 
     def get(self, request_id: str) -> bytes | None:
         try:
@@ -146,3 +176,59 @@ class InMemoryResultStore:
 
     def close(self) -> None:
         pass
+
+
+class CircuitBreakerStore:
+    """Any `ResultStore`, failing fast for `retry_after_s` after each failure (module notes).
+
+    Not thread-safe (the worker's poll thread is its only caller). `on_degraded(op)` is called
+    with "get" (for `get` / `get_many`) or "put" on every call that failed or was skipped.
+    """
+
+    def __init__(
+        self,
+        store: ResultStore,
+        on_degraded: Callable[[str], None] = lambda op: None,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.on_degraded = on_degraded
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._open_until: float | None = None  # None: closed (calls go through)
+        self.last_error: str = ""
+
+    @property
+    def degraded(self) -> bool:
+        """True from a failure until a call succeeds again."""
+        return self._open_until is not None
+
+    def get(self, request_id: str) -> bytes | None:
+        return self._call("get", lambda: self.store.get(request_id))
+
+    def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]:
+        if not request_ids:
+            return []
+        return self._call("get", lambda: self.store.get_many(request_ids))
+
+    def put(self, request_id: str, value: bytes) -> None:
+        self._call("put", lambda: self.store.put(request_id, value))
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _call(self, op: str, fn: Callable[[], _T]) -> _T:
+        now = self._clock()
+        if self._open_until is not None and now < self._open_until:
+            self.on_degraded(op)
+            raise ResultStoreError(f"result store unavailable ({self.last_error}); skipped")
+        try:
+            out = fn()
+        except ResultStoreError as exc:
+            self._open_until = self._clock() + self.retry_after_s
+            self.last_error = str(exc)
+            self.on_degraded(op)
+            raise
+        self._open_until = None
+        return out

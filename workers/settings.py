@@ -20,7 +20,17 @@ Environment variables (all optional):
     TOLK_MAX_IN_FLIGHT        all languages together           1024
     TOLK_TOPIC_PREFIX         prepended to every topic name    "" (tests use a unique one)
     TOLK_DRAIN_TIMEOUT_S      shutdown waits for in-flight     30
+    TOLK_MAX_ATTEMPTS         engine runs of a request that fails (ERROR) before it is
+                              dead-lettered as "poison"        3
+    TOLK_STORE_TIMEOUT_S      redis connect / read timeout     0.3
+    TOLK_REPLY_ATTEMPTS       deliveries of a reply tried before it is dead-lettered  5
+    TOLK_DELIVERY_TIMEOUT_MS  producer message.timeout.ms      30000
     TOLK_SECURITY_PROTOCOL / TOLK_SASL_MECHANISM / TOLK_SASL_USERNAME / TOLK_SASL_PASSWORD
+    TOLK_SSL_CA_LOCATION      CA file that signed the broker certificate (SSL / SASL_SSL)
+    TOLK_SSL_ENDPOINT_IDENTIFICATION  0 = do not check the broker's host name (default: check)
+    TOLK_REDIS_PASSWORD       folded into the redis URL (`redis://:***@host...`)
+    (`compose/stack.sh` in sasl_ssl mode writes all of these into <state>/secrets/client.env;
+    docs/SECURITY.md)
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from workers.fairness.policy import (
     LanguagePolicy,
     parse_policies,
 )
+from workers.redaction import mask_url, with_password
 
 __all__ = ["Settings", "default_worker_id"]
 
@@ -75,12 +86,18 @@ class Settings:
     commit_interval_s: float = 0.5  # commit committable offsets at least this often
     commit_every: int = 200  # ... or after this many completed records
     drain_timeout_s: float = 30.0  # on shutdown, wait this long for in-flight requests
+    max_attempts: int = 3  # engine runs of a request whose run fails (ERROR) before "poison"
+    store_timeout_s: float = 0.3  # redis connect/read timeout: an outage never stalls the loop
     session_timeout_ms: int = 45_000  # consumer group session timeout
     topic_check_ttl_s: float = 30.0  # how long a reply-topic existence check is trusted
+    reply_attempts: int = 5  # deliveries of a reply tried (with backoff) before a dead letter
+    delivery_timeout_ms: int = 30_000  # producer message.timeout.ms (librdkafka's 300 s: long)
     security_protocol: str = ""  # "" = PLAINTEXT (librdkafka default)
     sasl_mechanism: str = ""
     sasl_username: str = ""
     sasl_password: str = field(default="", repr=False)  # secret: never in repr or logs
+    ssl_ca_location: str = ""  # CA certificate file for SSL / SASL_SSL ("" = system CAs)
+    ssl_endpoint_identification: bool = True  # verify the broker certificate's host name
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -89,6 +106,14 @@ class Settings:
             raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes!r}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight!r}")
+        if self.reply_attempts < 1:
+            raise ValueError(f"reply_attempts must be >= 1, got {self.reply_attempts!r}")
+        if self.delivery_timeout_ms < 100:
+            raise ValueError(f"delivery_timeout_ms must be >= 100: {self.delivery_timeout_ms!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"store_timeout_s must be > 0, got {self.store_timeout_s!r}")
         if self.burst_tokens < 0:
             raise ValueError(f"burst_tokens must be >= 0, got {self.burst_tokens!r}")
         if not 0 <= self.metrics_port <= 65535:
@@ -97,8 +122,9 @@ class Settings:
             object.__setattr__(self, "policies", _frozen_policies(self.policies))
 
     def __repr__(self) -> str:
+        # The redis password rides in the URL: shown masked (workers/redaction.py).
         fields = ", ".join(
-            f"{name}={getattr(self, name)!r}"
+            f"{name}={mask_url(self.redis_url) if name == 'redis_url' else getattr(self, name)!r}"
             for name in self.__dataclass_fields__
             if name != "sasl_password"
         )
@@ -121,7 +147,16 @@ class Settings:
             conf["sasl.username"] = self.sasl_username
         if self.sasl_password:
             conf["sasl.password"] = self.sasl_password
+        if self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        if not self.ssl_endpoint_identification:
+            conf["ssl.endpoint.identification.algorithm"] = "none"
         return conf
+
+    def kafka_security(self) -> dict[str, Any]:
+        """`kafka_common()` without the bootstrap: what a `TranslationClient` takes as
+        `kafka_config` to reach the same (secured) broker."""
+        return {k: v for k, v in self.kafka_common().items() if k != "bootstrap.servers"}
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (dataclasses.replace, re-validated)."""
@@ -152,6 +187,7 @@ class Settings:
             "SASL_MECHANISM": "sasl_mechanism",
             "SASL_USERNAME": "sasl_username",
             "SASL_PASSWORD": "sasl_password",
+            "SSL_CA_LOCATION": "ssl_ca_location",
         }
         for env_name, attr in text_fields.items():
             value = get(env_name)
@@ -163,6 +199,9 @@ class Settings:
             "RESULT_TTL_S": "result_ttl_s",
             "MAX_IN_FLIGHT": "max_in_flight",
             "BURST_TOKENS": "burst_tokens",
+            "MAX_ATTEMPTS": "max_attempts",
+            "REPLY_ATTEMPTS": "reply_attempts",
+            "DELIVERY_TIMEOUT_MS": "delivery_timeout_ms",
         }
         for env_name, attr in int_fields.items():
             value = get(env_name)
@@ -171,12 +210,26 @@ class Settings:
                     kw[attr] = int(value)
                 except ValueError:
                     raise ValueError(f"TOLK_{env_name}={value!r} is not an integer") from None
+        store_timeout = get("STORE_TIMEOUT_S")
+        if store_timeout is not None:
+            try:
+                kw["store_timeout_s"] = float(store_timeout)
+            except ValueError:
+                bad = f"TOLK_STORE_TIMEOUT_S={store_timeout!r} is not a number"
+                raise ValueError(bad) from None
         drain = get("DRAIN_TIMEOUT_S")
         if drain is not None:
             try:
                 kw["drain_timeout_s"] = float(drain)
             except ValueError:
                 raise ValueError(f"TOLK_DRAIN_TIMEOUT_S={drain!r} is not a number") from None
+        verify = get("SSL_ENDPOINT_IDENTIFICATION")
+        if verify is not None:
+            kw["ssl_endpoint_identification"] = verify.lower() not in ("0", "false", "no", "none")
+        redis_password = get("REDIS_PASSWORD")
+        if redis_password is not None:
+            default_url = cls.__dataclass_fields__["redis_url"].default
+            kw["redis_url"] = with_password(kw.get("redis_url", default_url), redis_password)
         langs = get("LANGUAGES")
         if langs is not None:
             kw["languages"] = parse_languages(langs)

@@ -12,10 +12,20 @@ Design notes
   and stores a delivered reply in redis under its request id; the commit is the lowest offset
   not yet done per partition (`workers.offsets.OffsetTracker`). A redelivered request (after a
   crash before the commit) is answered with the stored bytes instead of being translated again.
+  Redis is an optimisation: while it is down the store fails fast (short timeouts, a circuit
+  breaker: `workers.results_store.CircuitBreakerStore`), every request is translated, and each
+  failed or skipped look-up / put counts in `tolk_store_degraded_total{op}`.
 * Fair intake: librdkafka has no fairness across topics, so per language an
   `IntakeController` counts requests in the engine; at its high water the language's
   partitions are paused, at its low water resumed (hysteresis, since `pause()` drops the
   prefetched records). A global cap (`max_in_flight`) pauses everything the same way.
+  Records of one batch past a quota are rewound with `seek()`; a seek that fails holds the
+  partition (paused, none of its records taken) until a retry works (`PartitionState.rewind`).
+* Engine results (`workers.engine_runs.EngineRuns`): a failed run (ERROR, e.g. a step that
+  raised) is retried up to `max_attempts` runs, then dead-lettered as "poison" and answered
+  ERROR; the result of
+  a record whose partition was revoked meanwhile is dropped when the partition went to another
+  owner (it answers), answered when it came back here; both counted.
 * Never die on a record: any failure on one record becomes a dead letter (undecodable bytes,
   an unusable reply topic, an unexpected exception) or an ERROR/REJECTED/EXPIRED reply.
 * Shutdown (SIGTERM/SIGINT or the stop event): pause all intake, let in-flight requests finish
@@ -30,8 +40,10 @@ The pieces around this loop live beside it: `kafka_config` (client settings, the
 check), `records` (what is held per record and per in-flight request), `validation` (checks
 before the engine), `deadlines` (the request deadline on the engine's clock, the EXPIRED rule),
 `reply_publisher` (produce, store, dead letters, offsets done; it builds replies with
-`replies`), `partitions` (assignment, pauses, commits). The worker keeps the loop, intake,
-dispatch, rebalance callbacks and commits.
+`replies`), `partitions` (assignment, pauses, rewinds, commits, ownership), `engine_runs` and
+`retries` (submit, results, bounded retries). The worker keeps the loop, intake, dispatch,
+rebalance callbacks and commits. A `FairEngine`'s fair-share gauges are read from its
+`queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
 """
 
 from __future__ import annotations
@@ -39,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -50,8 +61,8 @@ from prometheus_client import CollectorRegistry
 
 from schemas.codec import SchemaError, decode_request
 from topics.catalog import DEAD_LETTERS, request_topic
-from workers.deadlines import engine_deadline
-from workers.engine.types import GenerationResult, TranslationEngine, UnsupportedLanguage
+from workers.engine.types import TranslationEngine
+from workers.engine_runs import EngineRuns
 from workers.fairness.intake import IntakeController
 from workers.kafka_config import ReplyTopicChecker, consumer_config, producer_config
 from workers.metrics import WorkerMetrics
@@ -60,7 +71,12 @@ from workers.process_hooks import install_stop_signals, start_metrics_server, wo
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import STATUS_OF
 from workers.reply_publisher import ReplyPublisher
-from workers.results_store import RedisResultStore, ResultStore, ResultStoreError
+from workers.results_store import (
+    CircuitBreakerStore,
+    RedisResultStore,
+    ResultStore,
+    ResultStoreError,
+)
 from workers.settings import Settings
 from workers.validation import validate_request
 
@@ -86,14 +102,18 @@ class Worker:
         self.engine = engine
         self._consumer_factory = consumer_factory
         self._producer_factory = producer_factory
-        self.store: ResultStore = (
-            store
-            if store is not None
-            else RedisResultStore(settings.redis_url, settings.result_ttl_s)
-        )
         self.registry = registry if registry is not None else worker_registry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.init_languages(settings.languages)
+        degraded = self.metrics.store_degraded_total
+        self.store = CircuitBreakerStore(  # fails fast while redis is down (results_store.py)
+            store
+            if store is not None
+            else RedisResultStore(
+                settings.redis_url, settings.result_ttl_s, socket_timeout_s=settings.store_timeout_s
+            ),
+            on_degraded=lambda op: degraded.labels(op=op).inc(),
+        )
         self._now_ms = clock_ms or (lambda: int(time.time() * 1000))
 
         prefix = settings.topic_prefix
@@ -108,8 +128,6 @@ class Worker:
 
         self._consumer: Any = None
         self._producer: Any = None
-        self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
-        self._inflight: dict[str, InFlight] = {}
         self.partitions = PartitionState(
             self.topic_lang, self.metrics, settings.commit_every, settings.commit_interval_s
         )
@@ -126,8 +144,19 @@ class Worker:
             worker_id=settings.worker_id,
             policies=settings.policies,
             mark_done=self.partitions.mark_done,
+            reply_attempts=settings.reply_attempts,
             clock_ms=self._now_ms,
         )
+        self.runs = EngineRuns(  # the requests in the engine: submit, results, retries
+            engine,
+            settings,
+            self.publisher,
+            self.partitions,
+            self.intake,
+            self.metrics,
+            self._now_ms,
+        )
+        self._inflight: dict[str, InFlight] = self.runs.inflight  # request id -> in the engine
         self._last_gauges = 0.0
         self._stop_event = threading.Event()
         self.assigned_event = threading.Event()  # set once the first assignment arrived
@@ -198,8 +227,10 @@ class Worker:
             if msgs:
                 self.metrics.batch_size.observe(len(msgs))
                 self._handle_batch(msgs)
-            self._drain_done()
+            self.runs.drain_done()
+            self.partitions.retry_rewinds(self._consumer)
             self._producer.poll(0)
+            self.publisher.retry_due(time.monotonic())  # replies / dead letters to produce again
             self._reconcile_pauses()
             self.partitions.maybe_commit(self._consumer)
             self._update_gauges()
@@ -255,18 +286,18 @@ class Worker:
             if self._draining:
                 continue  # not handed: stays above the commit point, read again later
             tp = (msg.topic(), msg.partition())
-            if tp in rewound:
-                continue  # read again from the rewound offset once the language resumes
+            if tp in rewound or tp in self.partitions.held:
+                continue  # read again from the rewound offset (once the seek went through)
             lang = self.topic_lang.get(tp[0], "unknown")
             if self._over_quota(lang, taken):
                 # One consume() batch can hold hundreds of a flooding language's records:
                 # handing them all over would blow its intake quota and the global cap (which
                 # pauses every language, the light ones too). Rewind the partition to this
-                # record instead; the language is paused at the end of the iteration.
-                with contextlib.suppress(KafkaException):
-                    self._consumer.seek(TopicPartition(tp[0], tp[1], msg.offset()))
-                    rewound.add(tp)
-                    continue
+                # record instead; the language is paused at the end of the iteration. A seek
+                # that fails holds the partition until a retry works (PartitionState.rewind).
+                self.partitions.rewind(self._consumer, tp, msg.offset())
+                rewound.add(tp)
+                continue
             taken[lang] = taken.get(lang, 0) + 1
             if not self.tracker.track(tp, msg.offset()):
                 continue  # partition revoked meanwhile
@@ -278,6 +309,7 @@ class Worker:
                 value=msg.value() or b"",
                 lang=lang,
                 broker_ts_ms=ts if ts_type and ts > 0 else self._now_ms(),
+                generation=self.partitions.generation(tp),
             )
             try:
                 if self._decode_and_route(rec):
@@ -335,6 +367,9 @@ class Worker:
                 inflight = self._inflight.get(rid)
                 if inflight is not None:
                     self.metrics.duplicates_total.inc()
+                    # the same record read again (partition assigned back) replaces its old copy
+                    key = (rec.tp, rec.offset)
+                    inflight.records = [r for r in inflight.records if (r.tp, r.offset) != key]
                     inflight.records.append(rec)
                     continue
                 previous = self.publisher.pending_reply(rid) or stored.get(rid)
@@ -355,62 +390,9 @@ class Worker:
                     status, reason, error = problem
                     self.publisher.answer_without_engine(rec, status, reason, error)
                     continue
-                self._submit(rec)
+                self.runs.submit(rec)
             except Exception as exc:
                 self.publisher.dead_letter(rec, "poison", exc)
-
-    def _submit(self, rec: ConsumedRecord) -> None:
-        req = rec.request
-        rid = rec.request_id
-        deadline = engine_deadline(
-            req.get("deadline"), now_ms=self._now_ms(), now_monotonic=time.monotonic()
-        )
-        policy = self.settings.policy(rec.lang)
-        try:
-            handle = self.engine.submit_translation(
-                request_id=rid,
-                text=str(req["text"]),
-                source_lang=str(req.get("source_lang", "")),
-                target_lang=str(req["target_lang"]),
-                deadline=deadline,
-                max_new_tokens=policy.max_new_tokens if policy else None,
-            )
-        except UnsupportedLanguage as exc:
-            self.publisher.answer_without_engine(rec, "REJECTED", "unsupported_language", str(exc))
-            return
-        except Exception as exc:
-            self.publisher.answer_without_engine(
-                rec, "ERROR", "engine_error", f"engine refused the request: {exc!r}"
-            )
-            return
-        self._inflight[rid] = InFlight(rid, rec.lang, handle, [rec], self._now_ms())
-        self.intake.on_enqueued(rec.lang)
-        done = self._done
-
-        def on_done(result: GenerationResult) -> None:  # engine thread: only enqueue
-            done.put((rid, result))
-
-        handle.add_done_callback(on_done)
-
-    # -- answers out --------------------------------------------------------------------------
-
-    def _drain_done(self) -> None:
-        while True:
-            try:
-                rid, result = self._done.get_nowait()
-            except queue.Empty:
-                return
-            inflight = self._inflight.pop(rid, None)
-            if inflight is None:
-                continue
-            self.intake.on_done(inflight.lang)
-            try:
-                self.publisher.answer_from_engine(
-                    inflight, result, model_version=self.engine.model_version
-                )
-            except Exception as exc:
-                for rec in inflight.records:
-                    self.publisher.dead_letter(rec, "poison", exc)
 
     # -- intake quotas ------------------------------------------------------------------------
 
@@ -474,11 +456,9 @@ class Worker:
         for lang in self.settings.languages:
             self.metrics.in_flight.labels(lang=lang).set(self.intake.depth(lang))
             self.metrics.paused.labels(lang=lang).set(1 if lang in paused else 0)
-        queue = getattr(self.engine, "queue", None)  # FairEngine exposes its VTC/FCFS queue
-        if queue is not None and hasattr(queue, "service_by_group"):
-            # RuntimeError: the engine thread resized a ledger dict meanwhile; next time then
-            with contextlib.suppress(RuntimeError):
-                self.metrics.update_fairness(queue)
+        snapshot = getattr(self.engine, "queue_snapshot", None)  # FairEngine: its queue's ledger
+        if callable(snapshot):  # one frozen copy, taken under the engine's queue lock
+            self.metrics.update_fairness(snapshot())
         self.publisher.update_token_rate(now)
 
     # -- introspection (tests, health) ---------------------------------------------------------

@@ -3,11 +3,17 @@
 * `FakeEngine` implements `TranslationEngine`: it "translates" by prefixing the target language
   and reversing the words (`fake_translation`), resolves handles from its own thread after an
   optional delay, honours deadlines (EXPIRED) and cancel (CANCELLED), fails texts containing
-  `FAIL_MARKER` (ERROR), and can hold requests (`hold()` / `release()`) to test intake quotas.
+  `FAIL_MARKER` (ERROR, that request alone), and can hold requests (`hold()` / `release()`) to
+  test intake quotas. Poison: a request whose text contains `POISON_MARKER` (or that the
+  `poison` predicate picks) makes the fake's "step" raise, and like the real engine
+  (`Engine._fail_all`) every request of that batch then finishes ERROR with the exception's
+  text. A marker in the text works from a subprocess too (tests/faults/).
 * `FakeBroker` with `FakeConsumer` / `FakeProducer`: just enough of confluent-kafka's API
-  (subscribe with rebalance callbacks, consume, pause/resume, commit, produce with delivery
-  callbacks, list_topics) for the worker's logic to run without a broker. The same worker tests
-  then run against the real broker in test_worker_kafka.py.
+  (subscribe with rebalance callbacks, consume, pause/resume, seek, commit, produce with
+  delivery callbacks, list_topics) for the worker's logic to run without a broker; faults on
+  demand (`FakeConsumer.fail_seeks`, rebalances scheduled onto the poll thread with
+  `schedule_revoke_all()` / `schedule_assign_all()`). The same worker tests then run against
+  the real broker in test_worker_kafka.py.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from workers.engine.types import (
 )
 
 FAIL_MARKER = "__fail__"
+POISON_MARKER = "\u2620poison"  # a skull and "poison": the whole batch fails (see the notes)
+POISON_ERROR = "RuntimeError: poisoned batch (fake engine step failed)"
+
+
+def is_poison(text: str) -> bool:
+    return POISON_MARKER in text
+
+
 FAKE_LANGUAGES = ("en", "de", "fr", "es", "it")
 
 
@@ -54,10 +68,12 @@ class FakeEngine:
         languages: Sequence[str] = FAKE_LANGUAGES,
         model_version: str = "fake-1",
         delay_s: float = 0.0,
+        poison: Callable[[str], bool] = is_poison,
     ) -> None:
         self.model_version = model_version
         self.languages = tuple(languages)
         self.delay_s = delay_s
+        self.poison = poison  # text -> does it make the engine's step raise?
         self.submitted: list[str] = []  # request ids, in submission order
         self._jobs: list[_Job] = []
         self._cancelled: set[str] = set()
@@ -150,8 +166,16 @@ class FakeEngine:
                     self._jobs.remove(j)
             if self.delay_s and jobs:
                 time.sleep(self.delay_s)
+            # one batch: a poison request fails it whole, as Engine._fail_all does
+            poisoned = any(self.poison(j.text) for j in jobs if j.request_id not in self._cancelled)
             for job in jobs:
-                job.handle.set_result(self._finish(job))
+                job.handle.set_result(self._failed(job) if poisoned else self._finish(job))
+
+    def _failed(self, job: _Job) -> GenerationResult:
+        timings = Timings(total_s=time.monotonic() - job.arrival)
+        return GenerationResult(
+            job.request_id, [], "", FinishReason.ERROR, timings=timings, error=POISON_ERROR
+        )
 
     def _finish(self, job: _Job) -> GenerationResult:
         now = time.monotonic()
@@ -296,8 +320,10 @@ class FakeConsumer:
         self.paused: set[tuple[str, int]] = set()
         self.pause_calls = 0
         self.seeks: list[tuple[tuple[str, int], int]] = []
+        self.fail_seeks = 0  # the next this many seek() calls raise KafkaException
         self.closed = False
         self._assigned = False
+        self._scheduled: list[str] = []  # rebalances to run inside the next consume()
 
     def subscribe(
         self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None
@@ -332,11 +358,29 @@ class FakeConsumer:
         self._assignment.clear()
         self.paused.clear()
 
+    def schedule_revoke_all(self) -> None:
+        """Revoke everything inside the next consume() (on the poll thread, as librdkafka)."""
+        with self.broker.lock:
+            self._scheduled.append("revoke")
+
+    def schedule_assign_all(self) -> None:
+        """Assign every partition again inside the next consume() (from the committed
+        offsets, as a new owner starts)."""
+        with self.broker.lock:
+            self._scheduled.append("assign")
+
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[FakeMessage]:
         if self.closed:
             raise RuntimeError("consumer closed")
         if not self._assigned:
             self._rebalance()
+        with self.broker.lock:
+            scheduled, self._scheduled = self._scheduled, []
+        for event in scheduled:
+            if event == "revoke":
+                self.revoke_all()
+            else:
+                self._rebalance()
         out: list[FakeMessage] = []
         with self.broker.lock:
             for tp in self._assignment:
@@ -358,6 +402,9 @@ class FakeConsumer:
         tp = (partition.topic, partition.partition)
         if tp not in self._position:
             raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION))
+        if self.fail_seeks > 0:
+            self.fail_seeks -= 1
+            raise KafkaException(KafkaError(KafkaError._STATE, "erroneous state (fake seek)"))
         self.seeks.append((tp, partition.offset))
         with self.broker.lock:
             self._position[tp] = partition.offset

@@ -97,6 +97,21 @@ def test_two_clients_share_the_reply_topic(served: tuple[str, str]) -> None:
     asyncio.run(main())
 
 
+def test_tiny_producer_queue_is_waited_out_not_an_error(served: tuple[str, str]) -> None:
+    """A local queue of one message: every concurrent request but one meets BufferError at
+    first; each must back off and go out once the queue has room, none is lost."""
+    bootstrap, prefix = served
+
+    async def main() -> None:
+        tiny = {"queue.buffering.max.messages": 1}
+        async with TranslationClient(bootstrap, topic_prefix=prefix, kafka_config=tiny) as c:
+            texts = [f"queued sentence {i}" for i in range(12)]
+            many = await c.translate_many(texts, to="de", timeout=20)
+            assert [r.text for r in many] == [fake_translation(t, "de") for t in texts]
+
+    asyncio.run(main())
+
+
 def test_translate_before_start_is_an_error() -> None:
     async def main() -> None:
         client = TranslationClient("127.0.0.1:1")

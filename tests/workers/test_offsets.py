@@ -141,3 +141,33 @@ def test_pending_counts() -> None:
 def test_negative_offset_rejected() -> None:
     with pytest.raises(ValueError):
         tracker().track(TP, -1)
+
+
+def test_each_assignment_is_a_new_generation_kept_across_a_seek_back() -> None:
+    t = tracker(TP, TP2)
+    first, other = t.generation(TP), t.generation(TP2)
+    assert first is not None and other is not None and first != other
+    t.assign([TP])  # already assigned: same generation
+    assert t.generation(TP) == first
+    t.track(TP, 5)
+    t.track(TP, 2)  # the consumer went back: the state restarts, the assignment does not
+    assert t.generation(TP) == first
+    t.revoke([TP])
+    assert t.generation(TP) is None
+    t.assign([TP])
+    again = t.generation(TP)
+    assert again is not None and again > max(first, other)
+
+
+def test_revoke_remembers_the_last_committed_offset() -> None:
+    t = tracker(TP, TP2)
+    for o in range(4):
+        t.track(TP, o)
+    t.done(TP, 0)
+    t.done(TP, 1)
+    t.mark_committed(t.committable())  # committed up to 2
+    t.revoke([TP, TP2])
+    assert t.committed_when_revoked(TP) == 2
+    assert t.committed_when_revoked(TP2) is None  # nothing committed in that assignment
+    t.assign([TP])
+    assert t.committed_when_revoked(TP) is None  # assigned again: its own state counts

@@ -233,14 +233,16 @@ def test_dead_letter_carries_the_record_and_its_reason() -> None:
     assert s.metric("tolk_worker_dead_letters_total", reason="undecodable") == 1
 
 
-def test_lost_dead_letter_still_marks_the_record_done() -> None:
+def test_undelivered_dead_letter_is_not_marked_done_but_queued_for_a_retry() -> None:
     s = make_setup()
-    s.producer.fail_next[DEAD_LETTERS] = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    s.producer.fail_next[DEAD_LETTERS] = KafkaError(KafkaError._MSG_TIMED_OUT)
     s.publisher.dead_letter(record("x", offset=5), "poison", "boom")
     s.deliver()
     assert s.dead_letters() == []
-    assert s.done == [((TOPIC, 0), 5)]  # must not stall the partition's commits forever
+    assert s.done == []  # a lost dead letter would lose the record: it holds the commit
+    assert s.publisher.pending_retries() == 1 and s.publisher.next_retry_at() is not None
     assert s.metric("tolk_worker_errors_total", lang="de", reason="dead_letter_failed") == 1
+    # (the retries themselves: tests/workers/test_reply_retries.py)
 
 
 def test_store_failure_still_marks_the_delivered_reply_done() -> None:

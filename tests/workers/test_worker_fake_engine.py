@@ -60,7 +60,7 @@ def request_bytes(
 class Rig:
     broker: FakeBroker
     engine: FakeEngine
-    store: InMemoryResultStore
+    store: Any  # an InMemoryResultStore unless the test gave another
     worker: Worker
     thread: threading.Thread
     registry: CollectorRegistry
@@ -103,7 +103,7 @@ def make_rig(**settings_kw: Any) -> Rig:
     broker.create_topic(DEAD_LETTERS, 1)
     engine = settings_kw.pop("engine", None) or FakeEngine()
     clock_ms = settings_kw.pop("clock_ms", None)
-    store = InMemoryResultStore()
+    store = settings_kw.pop("store", None) or InMemoryResultStore()
     kw: dict[str, Any] = {
         "metrics_port": 0,
         "worker_id": "w-test",
@@ -177,7 +177,7 @@ def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
     rig.send(request_bytes("good", text="still works", target="it"), "it")
 
     wait_for(lambda: rig.reply_count() == 8, what="8 replies")
-    wait_for(lambda: len(rig.dead_letters()) == 5, what="5 dead letters")
+    wait_for(lambda: len(rig.dead_letters()) == 6, what="6 dead letters")
     replies = rig.replies()
     expect = {
         "bad-lang": ("REJECTED", "unknown target language 'xx'"),
@@ -186,7 +186,6 @@ def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
         "empty": ("REJECTED", "text is empty"),
         "huge": ("REJECTED", "100001 bytes; the limit is 100000"),
         "late": ("EXPIRED", "deadline passed"),
-        "boom": ("ERROR", "fake failure"),
     }
     for rid, (status, fragment) in expect.items():
         assert replies[rid]["status"] == status, replies[rid]
@@ -199,6 +198,7 @@ def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
     reasons = sorted(d["reason"] for d in dls)
     assert reasons == [
         "invalid",
+        "poison",  # "boom": its engine run fails every time (Settings.max_attempts runs)
         "reply_topic_missing",
         "reply_topic_missing",
         "undecodable",
@@ -207,6 +207,11 @@ def test_bad_inputs_are_answered_and_the_worker_lives_on(rig: Rig) -> None:
     garbage = next(d for d in dls if d["key"] == b"k-garbage")
     assert garbage["original"] == b"\x00\x01garbage"
     assert garbage["topic"] == request_topic("de") and "SchemaError" in garbage["exception"]
+    boom = next(d for d in dls if d["reason"] == "poison")
+    assert "3 engine runs failed" in boom["exception"] and "fake failure" in boom["exception"]
+    assert rig.engine.submitted.count("boom") == 3
+    assert replies["boom"]["status"] == "ERROR"
+    assert "3 engine runs failed" in replies["boom"]["error"]
     missing = next(d for d in dls if "tolk.nowhere" in (d["exception"] or ""))
     assert "does not exist" in missing["exception"]
     assert rig.thread.is_alive()
@@ -459,6 +464,13 @@ def test_settings_from_env_and_secret_masking() -> None:
         Settings.from_env({"TOLK_MAX_IN_FLIGHT": "many"})
     with pytest.raises(ValueError, match="burst_tokens"):
         Settings.from_env({"TOLK_BURST_TOKENS": "-1"})
+    assert Settings().max_attempts == 3 and Settings().store_timeout_s == 0.3
+    tuned = Settings.from_env({"TOLK_MAX_ATTEMPTS": "5", "TOLK_STORE_TIMEOUT_S": "0.5"})
+    assert tuned.max_attempts == 5 and tuned.store_timeout_s == 0.5
+    with pytest.raises(ValueError, match="max_attempts"):
+        Settings(max_attempts=0)
+    with pytest.raises(ValueError, match="TOLK_STORE_TIMEOUT_S"):
+        Settings.from_env({"TOLK_STORE_TIMEOUT_S": "soon"})
     with pytest.raises(AttributeError):
         s.bootstrap = "x"  # type: ignore[misc]
 

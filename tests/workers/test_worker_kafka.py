@@ -159,8 +159,8 @@ def test_bad_inputs_answered_while_valid_traffic_flows(env: Env) -> None:
             "es",
             "EXPIRED",
         ),
-        f"{run}-boom": (env.request(f"{run}-boom", FAIL_MARKER, "it"), "it", "ERROR"),
     }
+    boom = env.request(f"{run}-boom", FAIL_MARKER, "it")  # fails every run: dead letter "poison"
     good = {}
     for i in range(40):
         lang = LANGS[i % 4]
@@ -170,13 +170,14 @@ def test_bad_inputs_answered_while_valid_traffic_flows(env: Env) -> None:
         if i == 10:
             for _rid, (value, topic_lang, _status) in bad.items():
                 env.send(value, topic_lang)
+            env.send(boom, "it")
             env.send(b"\xc3\x01not avro at all", "de", key="junk")
             env.send(
                 env.request(f"{run}-noreply", "hi", "de", reply_topic=env.prefix + "gone"), "de"
             )
     env.producer.flush(10)
     wait_for(lambda: len(env.replies) >= 45, what="45 replies")
-    wait_for(lambda: len(env.dead) >= 2, what="2 dead letters")
+    wait_for(lambda: len(env.dead) >= 3, what="3 dead letters")
     replies = env.reply_map()
     for rid, (_value, _lang, status) in bad.items():
         (r,) = replies[rid]
@@ -185,6 +186,11 @@ def test_bad_inputs_answered_while_valid_traffic_flows(env: Env) -> None:
     for rid, text in good.items():
         assert replies[rid][0]["text"] == text
     dls = sorted((decode_dead_letter(v) for v in env.dead.values()), key=lambda d: d["reason"])
+    poison = [d for d in dls if d["reason"] == "poison"]
+    assert len(poison) == 1 and "fake failure" in poison[0]["exception"]
+    (boom_reply,) = replies[f"{run}-boom"]  # after its dead letter, the client is told
+    assert boom_reply["status"] == "ERROR" and "fake failure" in boom_reply["error"]
+    dls = [d for d in dls if d["reason"] != "poison"]
     assert [d["reason"] for d in dls] == ["reply_topic_missing", "undecodable"]
     assert dls[1]["original"] == b"\xc3\x01not avro at all" and dls[1]["key"] == b"junk"
     assert "does not exist" in dls[0]["exception"]

@@ -28,7 +28,8 @@ Design notes:
   those with one; ties by arrival time, then by push order. One binary heap per group, with
   lazy deletion for `remove()`, so push/pop/remove are O(log n) and `peek()` is O(#groups)
   (a handful of languages). Nothing sorts the backlog per step (see PITFALLS on SGLang).
-- Not thread-safe: the engine's scheduler thread owns it.
+- Not thread-safe: the engine's scheduler thread owns it. Readers on other threads go through
+  `workers.serving.queue_snapshot.GuardedQueue` (one lock, frozen snapshots of the ledger).
 
 `FCFSQueue` is the baseline: one deque in push order; `charge()` only records service, so the
 benchmarks can report the same per-group numbers for both.
@@ -98,6 +99,14 @@ class _Ledger:
 
     def weight(self, group: str) -> float:
         return self._weights.get(group, self._default_weight)
+
+    @property
+    def default_weight(self) -> float:
+        return self._default_weight
+
+    def weights(self) -> dict[str, float]:
+        """The explicitly set weights (other groups weigh `default_weight`)."""
+        return dict(self._weights)
 
     def set_weight(self, group: str, weight: float) -> None:
         """Change a group's weight; affects charges from now on."""

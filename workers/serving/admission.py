@@ -54,7 +54,7 @@ from workers.engine.types import (
     RequestQueue,
 )
 from workers.fairness.latency_model import DeadlineAdmission, LatencyModel, Verdict
-from workers.fairness.vtc import VTCQueue
+from workers.serving.queue_snapshot import snapshot_of
 
 __all__ = ["EngineAdmission"]
 
@@ -73,7 +73,10 @@ class EngineAdmission:
     """The scheduler's admission hook with a learning latency model (see the module notes).
 
     Thread-safety: `__call__` and `observe` run on the engine thread, `precheck` on whichever
-    thread submits; the small shared state is guarded by one lock.
+    thread submits; the small shared state is guarded by one lock. The queue the engine thread
+    changes is read only through one `QueueSnapshot` per estimate (a `GuardedQueue`, as
+    `FairEngine` installs it, copies it under the lock its engine thread takes; a plain queue
+    is only safe single-threaded).
     """
 
     def __init__(
@@ -167,17 +170,18 @@ class EngineAdmission:
                 span = max(1e-3, min(self.rate_window_s, now - self._admits[0][0]))
                 total_rate = len(self._admits) / span
                 group_rate = sum(1 for _, g in self._admits if g == group) / span
-        if isinstance(q, VTCQueue):
-            depths = q.depths()
+        snap = snapshot_of(q)  # one instant of the queue, copied under the engine's lock
+        if snap.fair:
+            depths = snap.depths()
             ahead = depths.get(group, 0)
             if ahead == 0:
                 return 0.0
             backlogged = [g for g, n in depths.items() if n > 0]
-            wsum = sum(q.weight(g) for g in backlogged) or q.weight(group)
-            share_rate = total_rate * q.weight(group) / wsum
+            wsum = sum(snap.weight(g) for g in backlogged) or snap.weight(group)
+            share_rate = total_rate * snap.weight(group) / wsum
             rate = max(group_rate, share_rate)
         else:
-            ahead = len(q)
+            ahead = len(snap)
             if ahead == 0:
                 return 0.0
             rate = total_rate

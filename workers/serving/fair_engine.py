@@ -8,9 +8,12 @@ packages imports the other beyond the engine's boundary types.
 `FCFSQueue` for comparisons) and an `EngineAdmission` hook (workers.serving.admission), and is
 what the worker is given (it implements `TranslationEngine`). Without touching engine.py it
 adds: the submit-time precheck (a refused request resolves its handle at once), `observe` on
-every finished request, and the rule that no request is answered OK after its deadline: a
-watchdog thread cancels running requests whose deadline passed, and a result that finishes
-late anyway is turned into EXPIRED before the caller sees it.
+every finished request, the queue behind a lock with `queue_snapshot()` for readers on other
+threads (workers.serving.queue_snapshot: the precheck and the worker's gauges read one frozen
+copy of the ledger, never the dicts the engine thread is changing), and the rule that no
+request is answered OK after its deadline: a watchdog thread cancels running requests whose
+deadline passed, and a result that finishes late anyway is turned into EXPIRED before the
+caller sees it.
 
 `Engine` is imported lazily (inside `build_fair_engine`), so importing this module does not load
 torch; the CLI's `--help` stays instant.
@@ -39,6 +42,7 @@ from workers.fairness.latency_model import LatencyModel
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, LanguagePolicy
 from workers.fairness.vtc import FCFSQueue, VTCQueue
 from workers.serving.admission import EngineAdmission
+from workers.serving.queue_snapshot import GuardedQueue, QueueSnapshot, snapshot_of
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine, EngineConfig
@@ -67,7 +71,16 @@ class FairEngine:
     ) -> None:
         self.engine = engine
         self.admission = admission
-        self.queue = engine.scheduler.queue
+        # The engine thread changes the queue, the poll thread reads it (precheck, gauges):
+        # every queue operation goes under one lock, readers take snapshots (queue_snapshot.py).
+        # Installed here, before the engine thread starts.
+        queue = engine.scheduler.queue
+        if not isinstance(queue, GuardedQueue) and isinstance(queue, (VTCQueue, FCFSQueue)):
+            queue = GuardedQueue(queue)
+            engine.scheduler.queue = queue
+            if admission is not None and admission.queue is not None:
+                admission.queue = queue
+        self.queue = queue
         self.model_version = engine.model_version
         self.languages = engine.languages
         self.precheck_enabled = precheck and admission is not None
@@ -202,10 +215,16 @@ class FairEngine:
 
     # -- introspection -------------------------------------------------------------------------
 
+    def queue_snapshot(self) -> QueueSnapshot:
+        """The waiting queue's ledger at one instant (depths, service, counters, weights), safe
+        from any thread: what the precheck and the worker's fairness gauges read."""
+        return snapshot_of(self.queue)
+
     def stats(self) -> dict[str, Any]:
         adm = self.admission
+        inner = self.queue.inner if isinstance(self.queue, GuardedQueue) else self.queue
         return {
-            "queue": type(self.queue).__name__,
+            "queue": type(inner).__name__,
             "admission": dict(adm.counts) if adm else {},
             "latency_model_mae_s": adm.model.median_abs_error() if adm else math.nan,
             "latency_model_observations": adm.model.observations if adm else 0,
@@ -245,7 +264,7 @@ def build_fair_engine(
     """
     from workers.engine.engine import Engine, EngineConfig
 
-    queue: VTCQueue | FCFSQueue = (
+    queue = GuardedQueue(
         VTCQueue.from_policies(policies, burst_tokens=burst_tokens)
         if fair
         else FCFSQueue.from_policies(policies)
