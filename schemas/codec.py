@@ -45,6 +45,7 @@ from schemas.limits import DEFAULT_LIMITS, BodyScanner, DecodeLimits, LimitExcee
 from schemas.limits import compile_layout as _compile_layout
 
 __all__ = [
+    "ARM_SHARES",
     "DEAD_LETTER",
     "REQUEST",
     "RESULT",
@@ -53,10 +54,12 @@ __all__ = [
     "SchemaError",
     "SchemaIds",
     "builtin_schemas",
+    "decode_arm_shares",
     "decode_dead_letter",
     "decode_request",
     "decode_result",
     "default_codec",
+    "encode_arm_shares",
     "encode_dead_letter",
     "encode_request",
     "encode_result",
@@ -67,12 +70,17 @@ __all__ = [
 REQUEST = "tolk.TranslationRequest"
 RESULT = "tolk.TranslationResult"
 DEAD_LETTER = "tolk.DeadLetter"
+ARM_SHARES = "tolk.ArmShares"  # the control topic's values (workers.arm_control)
 
 _SCHEMA_FILES = {
     REQUEST: "translation_request.avsc",
     RESULT: "translation_result.avsc",
     DEAD_LETTER: "dead_letter.avsc",
+    ARM_SHARES: "arm_shares.avsc",
 }
+# Earlier versions of the built-in schemas: known as writers by every codec with the built-in
+# schemas, so records they wrote (single-object encoding names its writer) still decode.
+_PREVIOUS_SCHEMA_FILES = ("translation_result.v1.avsc",)
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 SINGLE_OBJECT_HEADER_LEN = 10  # magic (2) + fingerprint (8)
@@ -147,11 +155,19 @@ def _strip_timestamps(schema: Any) -> Any:
 
 
 @functools.cache
+def _read_schema_file(filename: str) -> Mapping[str, Any]:
+    raw: Mapping[str, Any] = json.loads(
+        resources.files(__package__).joinpath(filename).read_text("utf-8")
+    )
+    return raw
+
+
+@functools.cache
 def builtin_schemas() -> Mapping[str, Mapping[str, Any]]:
     """The raw (JSON) built-in schemas by full name, read once."""
     out: dict[str, Mapping[str, Any]] = {}
     for name, filename in _SCHEMA_FILES.items():
-        raw = json.loads(resources.files(__package__).joinpath(filename).read_text("utf-8"))
+        raw = _read_schema_file(filename)
         if _full_name(raw) != name:
             raise SchemaError(f"{filename} declares {_full_name(raw)}, expected {name}")
         out[name] = raw
@@ -220,6 +236,9 @@ class AvroCodec:
         self._by_id: dict[int, _Writer] = {}
         self._id_of: dict[bytes, int] = {}
         self._by_json: dict[str, _Writer] = {}
+        if schemas is None:
+            for filename in _PREVIOUS_SCHEMA_FILES:
+                self._writer_for(_read_schema_file(filename))
         if registry is not None:
             for name, schema_id in registry.ids.items():
                 current = self._readers.get(self._aliases.get(name, name))
@@ -428,3 +447,11 @@ def encode_dead_letter(record: Mapping[str, Any]) -> bytes:
 
 def decode_dead_letter(data: bytes) -> dict[str, Any]:
     return default_codec().decode(DEAD_LETTER, data)
+
+
+def encode_arm_shares(record: Mapping[str, Any]) -> bytes:
+    return default_codec().encode(ARM_SHARES, record)
+
+
+def decode_arm_shares(data: bytes) -> dict[str, Any]:
+    return default_codec().decode(ARM_SHARES, data)

@@ -41,7 +41,16 @@ RULES: dict[str, tuple[str, ...]] = {
     ),
     # composes engine and fair share; the worker composes it with Kafka
     "workers/serving": (*_KAFKA_REDIS, *_OUTSIDE_THE_ENGINE),
-    "replay": ("workers.worker", "workers.engine"),
+    # replay talks to workers only through Kafka: of `workers` it may use the pure arm and
+    # span helpers and the client settings, never the serving side
+    "replay": (
+        "workers.worker",
+        "workers.engine",
+        "workers.engine_runs",
+        "workers.reply_publisher",
+        "workers.serving",
+        "workers.protected_engine",
+    ),
     "schemas": ("workers", "torch", "confluent_kafka"),
     "topics": ("workers", "torch"),
 }
@@ -91,6 +100,20 @@ def violations(package: str, root: Path = ROOT) -> list[str]:
             ):
                 bad.append(f"{f.relative_to(root)} imports {mod}")
     return bad
+
+
+# single modules of pure logic (shared by the worker and replay): no Kafka, no model, no threads
+PURE_MODULES = ("workers/arms.py", "workers/protected_spans.py", "workers/retries.py")
+_NOT_PURE = ("confluent_kafka", "redis", "faust", "prometheus_client", "torch", "threading")
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_modules_import_no_io_or_model(module: str) -> None:
+    imported = imported_modules(ROOT / module)
+    assert imported, f"{module}: the checker found no imports at all"
+    bad = sorted(m for m in imported if any(_matches(m, p) for p in _NOT_PURE))
+    bad += sorted(m for m in imported if m.startswith("workers.") and "types" not in m)
+    assert not bad, f"{module} imports {bad}"
 
 
 @pytest.mark.parametrize("package", sorted(RULES))

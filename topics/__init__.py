@@ -4,10 +4,12 @@
 """
 
 from topics.catalog import (
+    ARM_CONTROL,
     DEAD_LETTERS,
     REPLIES,
     REQUEST_TOPIC_PREFIX,
     TopicSpec,
+    arm_control_topic,
     catalog,
     dead_letters_topic,
     language_of,
@@ -16,10 +18,12 @@ from topics.catalog import (
 )
 
 __all__ = [
+    "ARM_CONTROL",
     "DEAD_LETTERS",
     "REPLIES",
     "REQUEST_TOPIC_PREFIX",
     "TopicSpec",
+    "arm_control_topic",
     "catalog",
     "dead_letters_topic",
     "language_of",

@@ -6,6 +6,11 @@ many workers share one language. Results go to the request's ``reply_topic``, no
 ``tolk.replies``. Records the worker cannot handle go, byte for byte, to
 ``tolk.dead-letters``. Keys are UTF-8 strings (the conversation id, else the request id),
 so one conversation stays on one partition and in order.
+
+``tolk.control.arms`` holds the arms' shares per language (``ArmShares``, keyed by the
+language or ``"*"``; ``workers.arms``, ``workers.arm_control``). It is compacted, so it keeps
+the latest entry per key forever and a worker reads the whole table from the beginning at
+start; one partition keeps every change in one order.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas.codec import DEAD_LETTER, REQUEST, RESULT
+from schemas.codec import ARM_SHARES, DEAD_LETTER, REQUEST, RESULT
 
 REQUEST_TOPIC_PREFIX = "tolk.requests."
 REPLIES = "tolk.replies"
 DEAD_LETTERS = "tolk.dead-letters"
+ARM_CONTROL = "tolk.control.arms"  # compacted: the latest ArmShares per language
 
 _DAY_MS = 24 * 60 * 60 * 1000
 REQUEST_RETENTION_MS = 7 * _DAY_MS  # long enough to replay a week for A/B comparisons
@@ -64,6 +70,10 @@ def dead_letters_topic(prefix: str = "") -> str:
     return prefix + DEAD_LETTERS
 
 
+def arm_control_topic(prefix: str = "") -> str:
+    return prefix + ARM_CONTROL
+
+
 def language_of(topic: str, prefix: str = "") -> str | None:
     """``"tolk.requests.de"`` -> ``"de"``; None for topics that are not request topics."""
     head = prefix + REQUEST_TOPIC_PREFIX
@@ -75,7 +85,8 @@ def language_of(topic: str, prefix: str = "") -> str | None:
 
 def catalog(languages: Sequence[str], partitions: int = 3, *, prefix: str = "") -> list[TopicSpec]:
     """Every topic for a deployment serving ``languages`` (target languages), in a stable
-    order: the request topics (as given, duplicates dropped), the replies, the dead letters.
+    order: the request topics (as given, duplicates dropped), the replies, the dead letters,
+    the arms' control topic.
     ``prefix`` goes in front of every name (``Settings.topic_prefix``: tests, tenants)."""
     if isinstance(languages, str):
         raise TypeError("languages must be a sequence of codes, not one string")
@@ -103,6 +114,15 @@ def catalog(languages: Sequence[str], partitions: int = 3, *, prefix: str = "") 
             partitions=1,
             config={"retention.ms": str(DEAD_LETTER_RETENTION_MS), "cleanup.policy": "delete"},
             value_schema=DEAD_LETTER,
+        )
+    )
+    specs.append(
+        TopicSpec(
+            name=arm_control_topic(prefix),
+            partitions=1,
+            # compacted: the latest entry per language lives forever; tombstones go after a day
+            config={"cleanup.policy": "compact", "delete.retention.ms": str(_DAY_MS)},
+            value_schema=ARM_SHARES,
         )
     )
     return specs

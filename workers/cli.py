@@ -3,7 +3,9 @@
 
     tolk up | down | status            the local stack (compose/stack.sh)
     tolk topics create                 create the catalog's topics
-    tolk worker [--model ...]          run a worker with the real engine
+    tolk worker [--model ...]          run a worker with the real engine (--arm NAME: an A/B arm)
+    tolk arms set|clear|show           the arms' shares per language (control topic)
+    tolk replay run | report           replay logs to the arms, the A/B report (replay/cli.py)
     tolk translate "text" --to de      one request through Kafka
     tolk demo                          the end-to-end demo
 """
@@ -16,9 +18,14 @@ from typing import Annotated, Any
 
 import typer
 
+from replay.cli import app as replay_app  # typer only: the replay job loads inside its commands
+
 app = typer.Typer(help="tolk: Kafka-native translation inference.", no_args_is_help=True)
 topics_app = typer.Typer(help="Kafka topics.", no_args_is_help=True)
 app.add_typer(topics_app, name="topics")
+arms_app = typer.Typer(help="A/B arms: shares per language (control topic).", no_args_is_help=True)
+app.add_typer(arms_app, name="arms")
+app.add_typer(replay_app, name="replay")
 
 STACK_SCRIPT = Path(__file__).resolve().parent.parent / "compose" / "stack.sh"
 
@@ -121,6 +128,14 @@ def worker(
         bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
     ] = False,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
+    arm: Annotated[
+        str | None,
+        typer.Option(help="Serve as this A/B arm: own group, shares from `tolk arms`."),
+    ] = None,
+    protect_spans: Annotated[
+        bool,
+        typer.Option(help="Mask numbers, URLs, ids, placeholders before translating; restore."),
+    ] = False,
 ) -> None:
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
     import logging
@@ -129,7 +144,7 @@ def worker(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = _settings(
-        model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port
+        model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port, arm=arm
     )
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
     _check_broker_or_exit(settings)
@@ -154,7 +169,76 @@ def worker(
         policies,
         burst_tokens=settings.burst_tokens,
     )
-    Worker(settings, engine).run()
+    if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
+        from workers.protected_engine import protect_spans as with_protected_spans
+
+        Worker(settings, with_protected_spans(engine)).run()
+    else:
+        Worker(settings, engine).run()
+
+
+def _arms_target(bootstrap: str | None) -> tuple[Any, str]:
+    """(settings, control topic) for the `tolk arms` commands."""
+    from topics.catalog import arm_control_topic
+
+    settings = _settings(bootstrap=bootstrap)
+    return settings, arm_control_topic(settings.topic_prefix)
+
+
+@arms_app.command("set")
+def arms_set(
+    language: Annotated[str, typer.Argument(help="Target language, or '*' for the default.")],
+    shares: Annotated[list[str], typer.Argument(help="ARM=PERCENT ..., summing to 100.")],
+    bootstrap: BootstrapOpt = None,
+    by: Annotated[str | None, typer.Option(help="Who sets it (default user@host).")] = None,
+) -> None:
+    """Set a language's shares: `tolk arms set de A=30 B=70` (workers apply it within 5 s)."""
+    from workers.arm_control import ArmControlError, publish_shares
+    from workers.arms import describe_shares, parse_share_args
+
+    settings, topic = _arms_target(bootstrap)
+    try:
+        parsed = parse_share_args(shares)
+        publish_shares(settings.kafka_common(), topic, language, parsed, updated_by=by)
+    except (ValueError, ArmControlError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{language}: {describe_shares(parsed)}")
+
+
+@arms_app.command("clear")
+def arms_clear(
+    language: Annotated[str, typer.Argument(help="Target language, or '*'.")],
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Remove a language's entry (a tombstone): it falls back to '*', else every arm serves."""
+    from workers.arm_control import ArmControlError, publish_shares
+
+    settings, topic = _arms_target(bootstrap)
+    try:
+        publish_shares(settings.kafka_common(), topic, language, None)
+    except (ValueError, ArmControlError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{language}: cleared")
+
+
+@arms_app.command("show")
+def arms_show(bootstrap: BootstrapOpt = None) -> None:
+    """Print the share table as the workers read it."""
+    from workers.arm_control import ArmControlError, read_share_table
+    from workers.arms import describe_shares
+
+    settings, topic = _arms_target(bootstrap)
+    try:
+        table = read_share_table(settings.kafka_common(), topic)
+    except ArmControlError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if not table:
+        typer.echo("no shares configured: every arm serves every request (mirror)")
+    for lang in sorted(table.entries):
+        typer.echo(f"{lang}: {describe_shares(table.entries[lang])}")
 
 
 @app.command()

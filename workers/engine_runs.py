@@ -27,6 +27,7 @@ import queue
 import time
 from collections.abc import Callable
 
+from workers.arms import arm_model_version
 from workers.deadlines import engine_deadline
 from workers.engine.types import (
     GenerationResult,
@@ -158,7 +159,8 @@ class EngineRuns:
                 self.publisher.dead_letter_and_reply_error(rec, "poison", error)
         else:
             self._finish(inflight)
-            model_version = self.engine.model_version
+            # an arm's reply says which arm answered: "<engine version>@<arm>" (workers.arms)
+            model_version = arm_model_version(self.engine.model_version, self.settings.arm)
             self.publisher.answer_from_engine(inflight, result, model_version=model_version)
 
     def _owned_records(self, inflight: InFlight, *, final: bool) -> list[ConsumedRecord]:

@@ -57,7 +57,7 @@ MISSING_TOPIC_CODES = frozenset(
 def consumer_config(settings: Settings) -> dict[str, Any]:
     return {
         **settings.kafka_common(),
-        "group.id": settings.group_id,
+        "group.id": settings.consumer_group(),  # <group>.<arm> for an arm's worker
         "client.id": settings.worker_id,
         "partition.assignment.strategy": "cooperative-sticky",
         "enable.auto.commit": False,

@@ -185,6 +185,24 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        self.arm_skipped_total = Counter(  # workers/arm_routing.py
+            "arm_skipped_total",
+            "Requests an arm's worker read and left to another arm (marked done without a "
+            "reply), by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.protected_spans_total = Counter(  # workers/protected_engine.py
+            "protected_spans_total",
+            "Translations with protected spans, by language and outcome: restored (masked, "
+            "every span put back), retried_unmasked (restore failed; the unmasked retry kept "
+            "every span), flagged (answered with spans not verified; the reply's metadata says "
+            "so), skipped (the text already held mask-like tokens; translated unmasked).",
+            ["lang", "outcome"],
+            namespace=ns,
+            registry=registry,
+        )
         # -- the reply path's retry queue (workers/reply_publisher.py) --
         self.reply_retries_total = Counter(
             "reply_retries_total",

@@ -16,6 +16,7 @@ one rule the engine side applies too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from schemas.codec import encode_dead_letter
@@ -59,8 +60,10 @@ def result_record(
     tokens_out: int,
     cached: int,
     now_ms: int,
+    metadata: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A TranslationResult (as a dict for `schemas.codec.encode_result`) answering `rec`."""
+    """A TranslationResult (as a dict for `schemas.codec.encode_result`) answering `rec`;
+    `metadata`: tags about how it was made (the engine result's `notes`)."""
     req = rec.request
     return {
         "request_id": rec.request_id,
@@ -77,6 +80,7 @@ def result_record(
         "worker_id": worker_id,
         "completed_at": now_ms,
         "conversation_id": req.get("conversation_id"),
+        "metadata": {str(k): str(v) for k, v in (metadata or {}).items()},
     }
 
 
@@ -117,13 +121,21 @@ def engine_reply(
         tokens_out=result.tokens_out,
         cached=result.cached_tokens,
         now_ms=now_ms,
+        metadata=result.notes,
     )
 
 
 def plain_reply(
-    rec: ConsumedRecord, *, worker_id: str, status: str, error: str, now_ms: int
+    rec: ConsumedRecord,
+    *,
+    worker_id: str,
+    status: str,
+    error: str,
+    now_ms: int,
+    model_version: str = "",
 ) -> dict[str, Any]:
-    """A reply without a translation (REJECTED / EXPIRED / ERROR before the engine ran)."""
+    """A reply without a translation (REJECTED / EXPIRED / ERROR before the engine ran);
+    `model_version` is "" (no engine ran), or `"@<arm>"` from an arm's worker."""
     total = broker_to_now_ms(rec, now_ms)
     return result_record(
         rec,
@@ -131,7 +143,7 @@ def plain_reply(
         status=status,
         text="",
         error=error,
-        model_version="",
+        model_version=model_version,
         timings={"queue_ms": total, "prefill_ms": 0.0, "decode_ms": 0.0, "total_ms": total},
         tokens_in=0,
         tokens_out=0,

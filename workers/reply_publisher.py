@@ -162,6 +162,7 @@ class ReplyPublisher:
         clock_ms: Callable[[], int],
         reply_attempts: int = DEFAULT_REPLY_ATTEMPTS,
         monotonic: Callable[[], float] = time.monotonic,
+        plain_model_version: str = "",
     ) -> None:
         if reply_attempts < 1:
             raise ValueError(f"reply_attempts must be >= 1, got {reply_attempts!r}")
@@ -175,6 +176,7 @@ class ReplyPublisher:
         self._mark_done = mark_done
         self._now_ms = clock_ms
         self._monotonic = monotonic  # the retry queue's clock (that of retry_due's argument)
+        self._plain_model_version = plain_model_version  # replies without engine: "" or "@arm"
         self._producer: Any = None
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
@@ -248,7 +250,12 @@ class ReplyPublisher:
         `reason` is the metric label."""
         now_ms = self._now_ms()
         reply = plain_reply(
-            rec, worker_id=self.worker_id, status=status, error=error, now_ms=now_ms
+            rec,
+            worker_id=self.worker_id,
+            status=status,
+            error=error,
+            now_ms=now_ms,
+            model_version=self._plain_model_version,
         )
         self.metrics.requests_total.labels(lang=rec.lang, status=status).inc()
         self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()
@@ -282,7 +289,12 @@ class ReplyPublisher:
         record and the client an answer. The offset is done once both are delivered."""
         now_ms = self._now_ms()
         reply = plain_reply(
-            rec, worker_id=self.worker_id, status="ERROR", error=f"{reason}: {error}", now_ms=now_ms
+            rec,
+            worker_id=self.worker_id,
+            status="ERROR",
+            error=f"{reason}: {error}",
+            now_ms=now_ms,
+            model_version=self._plain_model_version,
         )
         self.metrics.requests_total.labels(lang=rec.lang, status="ERROR").inc()
         self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()

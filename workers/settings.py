@@ -9,6 +9,8 @@ Environment variables (all optional):
     TOLK_BOOTSTRAP            Kafka bootstrap servers          127.0.0.1:9092
     TOLK_REDIS_URL            result store                     redis://127.0.0.1:6379/0
     TOLK_GROUP_ID             consumer group of the workers    tolk-workers
+    TOLK_ARM                  serve as this A/B arm (workers/arms.py): group
+                              <group>.<arm>, replies' model_version "<version>@<arm>"  (none)
     TOLK_LANGUAGES            comma list of target languages   en,de,fr,es,it
     TOLK_MODEL                model name for the engine        gemma3-270m
     TOLK_MAX_TEXT_BYTES       larger texts are REJECTED        100000
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from workers.arms import validate_arm_name
 from workers.fairness.policy import (
     DEFAULT_BURST_TOKENS,
     DEFAULT_POLICIES,
@@ -68,6 +71,7 @@ class Settings:
     bootstrap: str = "127.0.0.1:9092"  # Kafka bootstrap.servers
     redis_url: str = "redis://127.0.0.1:6379/0"  # result store
     group_id: str = "tolk-workers"  # consumer group shared by all workers
+    arm: str | None = None  # the A/B arm this worker serves (None: every request, no suffix)
     languages: tuple[str, ...] = DEFAULT_LANGUAGES  # target languages this worker consumes
     model: str = "gemma3-270m"  # model name the CLI hands to the engine loader
     max_text_bytes: int = 100_000  # UTF-8 size above which a request is REJECTED
@@ -102,6 +106,8 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.languages:
             raise ValueError("languages must not be empty")
+        if self.arm is not None:
+            validate_arm_name(self.arm)
         if self.max_text_bytes < 1:
             raise ValueError(f"max_text_bytes must be >= 1, got {self.max_text_bytes!r}")
         if self.max_in_flight < 1:
@@ -135,6 +141,11 @@ class Settings:
 
     def policy(self, lang: str) -> LanguagePolicy | None:
         return self.policies.get(lang)
+
+    def consumer_group(self) -> str:
+        """The request consumer's group: `group_id`, or `<group_id>.<arm>` for an arm (each
+        arm reads every request; workers of one arm share its requests)."""
+        return self.group_id if self.arm is None else f"{self.group_id}.{self.arm}"
 
     def kafka_common(self) -> dict[str, Any]:
         """bootstrap + security properties shared by the consumer, producer and admin client."""
@@ -180,6 +191,7 @@ class Settings:
             "BOOTSTRAP": "bootstrap",
             "REDIS_URL": "redis_url",
             "GROUP_ID": "group_id",
+            "ARM": "arm",
             "MODEL": "model",
             "WORKER_ID": "worker_id",
             "TOPIC_PREFIX": "topic_prefix",

@@ -26,6 +26,8 @@ Design notes
   ERROR; the result of
   a record whose partition was revoked meanwhile is dropped when the partition went to another
   owner (it answers), answered when it came back here; both counted.
+* Arms (with `Settings.arm`; `workers.arm_routing`): group `<group>.<arm>`; a record that is
+  another arm's (`workers.arms`) is done without a reply; replies carry `"<version>@<arm>"`.
 * Never die on a record: any failure on one record becomes a dead letter (undecodable bytes,
   an unusable reply topic, an unexpected exception) or an ERROR/REJECTED/EXPIRED reply.
 * Shutdown (SIGTERM/SIGINT or the stop event): pause all intake, let in-flight requests finish
@@ -61,6 +63,8 @@ from prometheus_client import CollectorRegistry
 
 from schemas.codec import SchemaError, decode_request
 from topics.catalog import DEAD_LETTERS, request_topic
+from workers.arm_control import ShareSource
+from workers.arm_routing import ArmRouter, ArmScopedStore
 from workers.engine.types import TranslationEngine
 from workers.engine_runs import EngineRuns
 from workers.fairness.intake import IntakeController
@@ -97,6 +101,7 @@ class Worker:
         store: ResultStore | None = None,
         registry: CollectorRegistry | None = None,
         clock_ms: Callable[[], int] | None = None,
+        arm_shares: ShareSource | None = None,  # an arm's share table (default: control topic)
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -105,13 +110,16 @@ class Worker:
         self.registry = registry if registry is not None else worker_registry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.init_languages(settings.languages)
+        if hasattr(engine, "bind_metrics"):  # workers.protected_engine counts in our metrics
+            engine.bind_metrics(self.metrics)
+        self.arms = ArmRouter.for_settings(settings, self.metrics, arm_shares)  # None: no arm
         degraded = self.metrics.store_degraded_total
-        self.store = CircuitBreakerStore(  # fails fast while redis is down (results_store.py)
-            store
-            if store is not None
-            else RedisResultStore(
+        if store is None:
+            store = RedisResultStore(
                 settings.redis_url, settings.result_ttl_s, socket_timeout_s=settings.store_timeout_s
-            ),
+            )
+        self.store = CircuitBreakerStore(  # fails fast while redis is down (results_store.py)
+            store if self.arms is None else ArmScopedStore(store, self.arms.arm),
             on_degraded=lambda op: degraded.labels(op=op).inc(),
         )
         self._now_ms = clock_ms or (lambda: int(time.time() * 1000))
@@ -146,6 +154,7 @@ class Worker:
             mark_done=self.partitions.mark_done,
             reply_attempts=settings.reply_attempts,
             clock_ms=self._now_ms,
+            plain_model_version=self.arms.model_version("") if self.arms else "",
         )
         self.runs = EngineRuns(  # the requests in the engine: submit, results, retries
             engine,
@@ -176,6 +185,8 @@ class Worker:
             self._consumer = self._consumer_factory(consumer_config(self.settings))
             self._producer = self._producer_factory(producer_config(self.settings))
             self.publisher.attach(self._producer)
+            if self.arms is not None:  # the share table read to its end before any request
+                self.arms.start()
             self._consumer.subscribe(
                 list(self.topic_lang),
                 on_assign=self._on_assign,
@@ -191,6 +202,8 @@ class Worker:
                 self._shutdown()
         finally:
             restore()
+            if self.arms is not None:
+                self.arms.stop()
             if http_server is not None:
                 http_server.shutdown()
             self.stopped_event.set()
@@ -339,7 +352,10 @@ class Worker:
         try:
             rec.request = decode_request(rec.value)
         except SchemaError as exc:
-            dead_letter(rec, "undecodable", exc)
+            if self._for_this_arm(rec):  # routed by its key: one arm dead-letters it
+                dead_letter(rec, "undecodable", exc)
+            return False
+        if not self._for_this_arm(rec):
             return False
         if not rec.request_id:
             dead_letter(rec, "invalid", "request_id is empty: no reply can be correlated")
@@ -350,6 +366,13 @@ class Worker:
             dead_letter(rec, "reply_topic_missing", problem)
             return False
         return True
+
+    def _for_this_arm(self, rec: ConsumedRecord) -> bool:
+        """False for another arm's record, which is then done without a reply (arm_routing)."""
+        if self.arms is None or self.arms.serves(rec):
+            return True
+        self.partitions.mark_done(rec.tp, rec.offset)
+        return False
 
     def _dispatch(self, records: list[ConsumedRecord]) -> None:
         """Answer from the store what was answered before; check and submit the rest."""

@@ -53,6 +53,7 @@ RESULT_RECORD = {
     "worker_id": "worker-0",
     "completed_at": NOW_MS + 102,
     "conversation_id": "conv-9",
+    "metadata": {"tolk.protected_spans": "restored"},
 }
 
 DEAD_LETTER_RECORD = {

@@ -1,7 +1,8 @@
 import pytest
 
-from schemas.codec import DEAD_LETTER, REQUEST, RESULT, builtin_schemas
+from schemas.codec import ARM_SHARES, DEAD_LETTER, REQUEST, RESULT, builtin_schemas
 from topics.catalog import (
+    ARM_CONTROL,
     DEAD_LETTERS,
     REPLIES,
     TopicSpec,
@@ -32,6 +33,7 @@ def test_catalog_declares_every_topic_in_order():
         "tolk.requests.fr",
         REPLIES,
         DEAD_LETTERS,
+        ARM_CONTROL,
     ]
     by_name = {s.name: s for s in specs}
     assert by_name["tolk.requests.de"].partitions == 6
@@ -69,7 +71,21 @@ def test_spec_is_frozen_and_validated():
 
 def test_prefix_goes_in_front_of_every_name():
     names = [s.name for s in catalog(["de"], prefix="t-123.")]
-    assert names == ["t-123.tolk.requests.de", "t-123.tolk.replies", "t-123.tolk.dead-letters"]
+    assert names == [
+        "t-123.tolk.requests.de",
+        "t-123.tolk.replies",
+        "t-123.tolk.dead-letters",
+        "t-123.tolk.control.arms",
+    ]
     assert request_topic("fr", "x.") == "x.tolk.requests.fr"
     assert language_of("x.tolk.requests.fr", "x.") == "fr"
     assert language_of("x.tolk.requests.fr") is None
+
+
+def test_arm_control_topic_is_compacted_with_one_partition():
+    spec = {s.name: s for s in catalog(["de"], partitions=6)}[ARM_CONTROL]
+    assert ARM_CONTROL == "tolk.control.arms"
+    assert spec.partitions == 1  # one order for every change, whatever the request topics have
+    assert spec.config["cleanup.policy"] == "compact"  # the latest entry per language stays
+    assert "retention.ms" not in spec.config
+    assert spec.value_schema == ARM_SHARES

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,6 +72,9 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: Timings = field(default_factory=Timings)
     error: str = ""  # set when finish_reason is ERROR / REJECTED / EXPIRED
+    # Tags for the reply's metadata (workers.replies copies them), e.g. what the protected-span
+    # wrapper did (workers.protected_engine); never metric labels.
+    notes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -157,8 +160,15 @@ class TranslationEngine(Protocol):
     """What the Kafka worker needs from an engine (`workers.engine.engine.Engine` is the real one;
     tests may use an in-memory fake with the same methods)."""
 
-    model_version: str  # goes on every reply; the A/B arm name
-    languages: tuple[str, ...]  # supported language codes (source and target)
+    # read-only for the worker: an attribute or a property (a wrapper such as
+    # workers.protected_engine passes its inner engine's through)
+    @property
+    def model_version(self) -> str:  # goes on every reply (an arm's worker adds "@arm")
+        ...
+
+    @property
+    def languages(self) -> tuple[str, ...]:  # supported language codes (source and target)
+        ...
 
     def submit_translation(
         self,

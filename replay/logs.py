@@ -1,0 +1,338 @@
+"""Readers of conversation logs for the replay job: one normalized record, three formats.
+
+Every reader turns its format into `ReplayRecord`s (one turn of one conversation: who said
+what, in which language, to be translated into which) and reports each row it cannot use as a
+`Problem` (where, why) in the same stream, instead of raising: a support log with one broken
+line must still replay. The formats:
+
+- `bcontrast`: the BConTrasT dialogues of the repository's `data/bcontrast_wmt20_chat`
+  (one JSON object: conversation id -> turns with `utteranceID`, `speaker`, `source`,
+  `target`); customers write German, agents English; the reference is `target`.
+- `wmt-csv`: a WMT-chat-style CSV with a header row and the columns `doc_id`,
+  `source_language`, `target_language`, `source_segment`, `reference`, `sender` (optional
+  `turn` and `timestamp`); rows of one `doc_id` are one conversation, in file order.
+- `jsonl`: one JSON object per line (docs/REPLAY.md): `conversation_id`, `turn` and/or
+  `timestamp` (epoch milliseconds or ISO 8601), `source_lang`, `target_lang`, `text`, optional
+  `reference`, `intent`, `sender`. In a conversation either every row has a `turn`, or the
+  turns are numbered by timestamp (ties in file order).
+
+A row is a problem when its language is not one of `known_languages` (or source equals
+target), its text is empty, its bytes are not UTF-8, its text carries U+FFFD replacement
+characters or unpaired surrogates (text damaged by an earlier lossy decode), a required field is
+missing or malformed, or it repeats a (conversation, turn) already read. Readers never filter by
+the languages of a run: that is `replay.job`'s selection.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+LogFormat = Literal["bcontrast", "wmt-csv", "jsonl"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("bcontrast", "wmt-csv", "jsonl")
+# The languages the service knows (the workers' default set); a row in another is a problem.
+KNOWN_LANGUAGES: frozenset[str] = frozenset({"en", "de", "fr", "es", "it"})
+CSV_COLUMNS = (
+    "doc_id",
+    "source_language",
+    "target_language",
+    "source_segment",
+    "reference",
+    "sender",
+)
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRecord:
+    """One turn of a logged conversation, normalized."""
+
+    conversation_id: str
+    turn: int  # position in the conversation (the order replay keeps)
+    source_lang: str
+    target_lang: str
+    text: str  # what to translate
+    reference: str | None = None  # a human translation, when the log has one
+    intent: str | None = None  # an intent label (xSID-style), when the log has one
+    timestamp_ms: int | None = None  # when it was said (epoch ms), when the log says
+    sender: str | None = None  # "customer", "agent", ...
+    row: str = ""  # where it came from: "file:line" or "file:conversation/turn"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A log row that was skipped, and why."""
+
+    row: str
+    reason: str
+
+
+@dataclass(slots=True)
+class LogContents:
+    """Everything one reader produced: the usable records and the skipped rows."""
+
+    records: list[ReplayRecord] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
+LogItem = ReplayRecord | Problem
+
+
+def text_problem(text: str) -> str | None:
+    """Why a text cannot be replayed (empty, damaged encoding), or None."""
+    if not text.strip():
+        return "empty text"
+    if REPLACEMENT_CHAR in text:
+        return "bad encoding: U+FFFD replacement characters in the text"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "bad encoding: unpaired surrogates in the text"
+    return None
+
+
+def language_problem(source: str, target: str, known: Collection[str]) -> str | None:
+    for what, lang in (("source", source), ("target", target)):
+        if lang not in known:
+            return f"unknown {what} language {lang!r} (known: {', '.join(sorted(known))})"
+    if source == target:
+        return f"source and target language are both {source!r}"
+    return None
+
+
+class _Checker:
+    """Shared row checks: languages, text, duplicate (conversation, turn) pairs."""
+
+    def __init__(self, known: Collection[str]) -> None:
+        self.known = frozenset(known)
+        self.seen: set[tuple[str, int]] = set()
+
+    def check(self, record: ReplayRecord) -> LogItem:
+        reason = language_problem(record.source_lang, record.target_lang, self.known)
+        reason = reason or text_problem(record.text)
+        if reason is None and (record.conversation_id, record.turn) in self.seen:
+            reason = f"duplicate turn {record.turn} of conversation {record.conversation_id!r}"
+        if reason is not None:
+            return Problem(record.row, reason)
+        self.seen.add((record.conversation_id, record.turn))
+        return record
+
+
+def _decoded_lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """(line number from 1, the line decoded as UTF-8, or None when its bytes are not)."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield number, None
+
+
+def parse_timestamp_ms(value: Any) -> int:
+    """Epoch milliseconds from an int/float (ms) or an ISO 8601 string (naive = UTC)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a timestamp: {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    if isinstance(value, str) and value.strip():
+        text = value.strip()
+        if text.lstrip("-").isdigit():
+            return int(text)
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return int(parsed.timestamp() * 1000)
+    raise ValueError(f"not a timestamp: {value!r}")
+
+
+def read_bcontrast(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
+    """The BConTrasT JSON: customers (German) and agents (English), in conversation order."""
+    try:
+        dialogues = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        yield Problem(str(path), f"bad encoding: {exc}")
+        return
+    except json.JSONDecodeError as exc:
+        yield Problem(f"{path}:{exc.lineno}", f"not JSON: {exc.msg}")
+        return
+    if not isinstance(dialogues, dict):
+        yield Problem(str(path), "not a BConTrasT file (expected an object of conversations)")
+        return
+    checker = _Checker(known)
+    for conv_id, turns in dialogues.items():
+        if not isinstance(turns, list):
+            yield Problem(f"{path.name}:{conv_id}", "conversation is not a list of turns")
+            continue
+        for position, t in enumerate(turns):
+            row = f"{path.name}:{conv_id}/{position}"
+            try:
+                customer = t["speaker"] == "customer"
+                record = ReplayRecord(
+                    conversation_id=str(conv_id),
+                    turn=int(t["utteranceID"]),
+                    source_lang="de" if customer else "en",
+                    target_lang="en" if customer else "de",
+                    text=str(t["source"]),
+                    reference=str(t["target"]) if t.get("target") is not None else None,
+                    sender=str(t["speaker"]),
+                    row=row,
+                )
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                yield Problem(row, f"malformed turn: {exc!r}")
+                continue
+            yield checker.check(record)
+
+
+def read_wmt_csv(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
+    """The WMT-chat-style CSV (header row); turns numbered per doc_id in file order unless a
+    `turn` column says otherwise."""
+    bad_lines: list[Problem] = []
+
+    def good_lines() -> Iterator[str]:
+        for number, line in _decoded_lines(path):
+            if line is None:
+                bad_lines.append(Problem(f"{path.name}:{number}", "bad encoding: not UTF-8"))
+                yield "\n"  # keeps csv's line count; an empty line is no row
+            else:
+                yield line
+
+    reader = csv.DictReader(good_lines())
+    missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        yield from bad_lines
+        yield Problem(f"{path.name}:1", f"header lacks the columns {', '.join(missing)}")
+        return
+    checker = _Checker(known)
+    next_turn: dict[str, int] = {}
+    for values in reader:
+        yield from bad_lines
+        bad_lines.clear()
+        row = f"{path.name}:{reader.line_num}"
+        try:
+            doc = (values["doc_id"] or "").strip()
+            if not doc:
+                raise ValueError("empty doc_id")
+            turn_text = (values.get("turn") or "").strip()
+            turn = int(turn_text) if turn_text else next_turn.get(doc, 0)
+            stamp = (values.get("timestamp") or "").strip()
+            record = ReplayRecord(
+                conversation_id=doc,
+                turn=turn,
+                source_lang=(values["source_language"] or "").strip(),
+                target_lang=(values["target_language"] or "").strip(),
+                text=values["source_segment"] or "",
+                reference=values["reference"] or None,
+                timestamp_ms=parse_timestamp_ms(stamp) if stamp else None,
+                sender=(values["sender"] or "").strip() or None,
+                row=row,
+            )
+        except (TypeError, ValueError) as exc:
+            yield Problem(row, f"malformed row: {exc}")
+            continue
+        next_turn[doc] = max(next_turn.get(doc, 0), turn + 1)
+        yield checker.check(record)
+    yield from bad_lines
+
+
+def _jsonl_record(obj: Any, row: str) -> tuple[ReplayRecord, bool]:
+    """(record, whether the row gave its turn); raises ValueError for a malformed row."""
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    for name in ("conversation_id", "source_lang", "target_lang", "text"):
+        if not isinstance(obj.get(name), str):
+            raise ValueError(f"{name} missing or not a string")
+    has_turn = obj.get("turn") is not None
+    if has_turn and (isinstance(obj["turn"], bool) or not isinstance(obj["turn"], int)):
+        raise ValueError("turn is not an integer")
+    stamp = obj.get("timestamp")
+    if not has_turn and stamp is None:
+        raise ValueError("neither turn nor timestamp")
+    optional = {}
+    for name in ("reference", "intent", "sender"):
+        value = obj.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name} is not a string")
+        optional[name] = value
+    record = ReplayRecord(
+        conversation_id=obj["conversation_id"],
+        turn=int(obj["turn"]) if has_turn else -1,
+        source_lang=obj["source_lang"],
+        target_lang=obj["target_lang"],
+        text=obj["text"],
+        timestamp_ms=parse_timestamp_ms(stamp) if stamp is not None else None,
+        row=row,
+        **optional,
+    )
+    return record, has_turn
+
+
+def read_jsonl(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
+    """The documented JSONL format. Rows without `turn` are numbered by timestamp within
+    their conversation, so the whole file is read before the first record is yielded."""
+    parsed: list[tuple[ReplayRecord, bool]] = []
+    for number, line in _decoded_lines(path):
+        row = f"{path.name}:{number}"
+        if line is None:
+            yield Problem(row, "bad encoding: not UTF-8")
+            continue
+        if not line.strip():
+            continue
+        try:
+            parsed.append(_jsonl_record(json.loads(line), row))
+        except json.JSONDecodeError as exc:
+            yield Problem(row, f"not JSON: {exc.msg}")
+        except ValueError as exc:
+            yield Problem(row, f"malformed row: {exc}")
+    numbered_convs = {r.conversation_id for r, has_turn in parsed if has_turn}
+    by_time: dict[str, list[ReplayRecord]] = {}
+    checker = _Checker(known)
+    out: list[LogItem] = []
+    for record, has_turn in parsed:
+        if has_turn:
+            out.append(record)
+        elif record.conversation_id in numbered_convs:
+            out.append(Problem(record.row, "turn missing in a conversation that numbers turns"))
+        else:
+            by_time.setdefault(record.conversation_id, []).append(record)
+    for records in by_time.values():
+        ordered = sorted(records, key=lambda r: r.timestamp_ms or 0)  # stable: file order
+        for turn, record in enumerate(ordered):
+            out.append(_with_turn(record, turn))
+    for item in out:
+        yield checker.check(item) if isinstance(item, ReplayRecord) else item
+
+
+def _with_turn(record: ReplayRecord, turn: int) -> ReplayRecord:
+    return replace(record, turn=turn)
+
+
+READERS = {"bcontrast": read_bcontrast, "wmt-csv": read_wmt_csv, "jsonl": read_jsonl}
+
+
+def iter_log(
+    path: Path, fmt: LogFormat, known: Collection[str] = KNOWN_LANGUAGES
+) -> Iterator[LogItem]:
+    """Records and problems of one log, in the reader's order."""
+    if fmt not in READERS:
+        raise ValueError(f"unknown log format {fmt!r} (one of {', '.join(LOG_FORMATS)})")
+    return READERS[fmt](Path(path), known)
+
+
+def read_log(path: Path, fmt: LogFormat, known: Collection[str] = KNOWN_LANGUAGES) -> LogContents:
+    """The whole log, split into records and problems."""
+    return split_items(iter_log(path, fmt, known))
+
+
+def split_items(items: Iterable[LogItem]) -> LogContents:
+    contents = LogContents()
+    for item in items:
+        if isinstance(item, ReplayRecord):
+            contents.records.append(item)
+        else:
+            contents.problems.append(item)
+    return contents

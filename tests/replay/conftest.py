@@ -1,0 +1,3 @@
+"""Fixtures of the replay tests: the local services (see tests/kafka_fixtures.py)."""
+
+from tests.kafka_fixtures import kafka_bootstrap, redis_url  # noqa: F401

@@ -1,0 +1,345 @@
+"""The arms' shares in Kafka: the control-topic reader the workers run, and its writer.
+
+`tolk.control.arms` (topics/catalog.py) is compacted and keyed by the language (or `"*"`, the
+default entry); each value is an Avro `ArmShares` (schemas/arm_shares.avsc), and a tombstone
+(null value) removes the language's entry. A later canary controller moves shares by writing
+here; so does `tolk arms set de A=30 B=70` (`publish_shares`).
+
+`ArmControlReader` (one per arm worker):
+
+* reads the topic from the beginning with a consumer of no group (`assign()`, never
+  `subscribe()`, never a commit): every worker sees the whole table, and a restart rebuilds it;
+* `start()` catches up to the end of the topic before it returns (bounded by
+  `catch_up_timeout_s`), so the worker routes its first request with the table as it stands,
+  not with an empty one (which would make every arm answer everything);
+* then a daemon thread keeps polling (`poll_timeout_s`, fetches wait at most 100 ms on the
+  broker) and swaps in a new immutable `ShareTable` per change, logging each one: a change is
+  applied well inside the 5 s the contract allows (measured in tests/workers/test_arms_kafka.py);
+* a missing control topic is a warning, not a failure: the table stays empty (every arm serves
+  every request, `workers.arms` rule 4) and the reader tries to assign it again every
+  `retry_assign_s` until it exists;
+* a value that cannot be decoded or whose shares are invalid is logged and ignored: the entry
+  keeps its previous shares.
+
+`StaticShares` is the same interface over a fixed table, for tests and embedding.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
+from schemas.codec import SchemaError, decode_arm_shares, encode_arm_shares
+from topics.catalog import request_topic
+from workers.arms import DEFAULT_LANGUAGE, ShareTable, describe_shares, validate_shares
+
+__all__ = [
+    "ArmControlError",
+    "ArmControlReader",
+    "ShareSource",
+    "StaticShares",
+    "default_updated_by",
+    "publish_shares",
+    "read_share_table",
+    "validate_language_key",
+]
+
+log = logging.getLogger(__name__)
+
+_METADATA_TIMEOUT_S = 5.0
+
+
+class ArmControlError(RuntimeError):
+    """The control topic could not be written (or read for `tolk arms show`)."""
+
+
+class ShareSource(Protocol):
+    """Where an arm worker gets its share table from."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def table(self) -> ShareTable: ...
+
+
+class StaticShares:
+    """A fixed share table (tests, embedding); `set()` swaps it."""
+
+    def __init__(self, table: ShareTable | None = None) -> None:
+        self._table = table if table is not None else ShareTable()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def table(self) -> ShareTable:
+        return self._table
+
+    def set(self, table: ShareTable) -> None:
+        self._table = table
+
+
+def validate_language_key(language: str) -> str:
+    """`language` if it can key the control topic: `"*"` or a request topic's language code."""
+    if language != DEFAULT_LANGUAGE:
+        request_topic(language)  # ValueError for a code no request topic can have
+    return language
+
+
+def default_updated_by() -> str:
+    """`user@host`: who wrote an entry, when the caller does not say."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no login name in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+class ArmControlReader:
+    """Reads the control topic into a `ShareTable` (see the module docstring)."""
+
+    def __init__(
+        self,
+        kafka_config: Mapping[str, Any],
+        topic: str,
+        *,
+        consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
+        catch_up_timeout_s: float = 10.0,
+        poll_timeout_s: float = 0.1,
+        retry_assign_s: float = 2.0,
+    ) -> None:
+        self.topic = topic
+        self._conf: dict[str, Any] = {
+            **kafka_config,
+            "group.id": "tolk.arm-control.unused",  # required by the client; never joined
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 100,  # a change reaches a worker in about this much
+            "logger": logging.getLogger("tolk.kafka.arm-control"),
+        }
+        self._consumer_factory = consumer_factory
+        self.catch_up_timeout_s = catch_up_timeout_s
+        self.poll_timeout_s = poll_timeout_s
+        self.retry_assign_s = retry_assign_s
+        self._table = ShareTable()
+        self._consumer: Any = None
+        self._assigned = False
+        self._partitions: list[int] = []
+        self._next_assign = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.changes = 0  # entries changed since start (the catch-up included)
+        self.last_change_monotonic: float | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Read the topic to its end (bounded), then keep following it on a daemon thread."""
+        self.read_to_end()
+        if self._table:
+            for lang in sorted(self._table.entries):
+                log.info("arm shares %s: %s", lang, describe_shares(self._table.entries[lang]))
+        else:
+            log.warning(
+                "arm shares: nothing configured in %s: every arm serves every request (mirror)",
+                self.topic,
+            )
+        self._thread = threading.Thread(target=self._run, name="tolk-arm-control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except Exception:
+                log.debug("arm control consumer close failed", exc_info=True)
+            self._consumer = None
+
+    def table(self) -> ShareTable:
+        """The current table (immutable; swapped whole on each change)."""
+        return self._table
+
+    def read_to_end(self) -> bool:
+        """Assign the topic and read it to the end seen now (bounded by `catch_up_timeout_s`);
+        False when the topic is not available."""
+        if self._consumer is None:
+            self._consumer = self._consumer_factory(self._conf)
+        if not self._assigned:
+            self._try_assign()
+        if self._assigned:
+            self._catch_up()
+        return self._assigned
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._assigned:
+                    if time.monotonic() >= self._next_assign:
+                        self._try_assign()
+                    self._stop.wait(self.poll_timeout_s)
+                    continue
+                self.poll_once(self.poll_timeout_s)
+            except Exception:
+                log.exception("arm control reader (continuing)")
+                self._stop.wait(0.5)
+
+    def _try_assign(self) -> None:
+        self._next_assign = time.monotonic() + self.retry_assign_s
+        try:
+            meta = self._consumer.list_topics(topic=self.topic, timeout=_METADATA_TIMEOUT_S)
+            topic_meta = meta.topics.get(self.topic)
+        except Exception as exc:
+            log.warning("arm control topic %s: metadata failed: %s", self.topic, exc)
+            return
+        if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
+            why = topic_meta.error if topic_meta is not None else "not in metadata"
+            log.warning(
+                "arm control topic %s not available (%s): no shares, every arm serves every "
+                "request; retrying every %.0f s",
+                self.topic,
+                why,
+                self.retry_assign_s,
+            )
+            return
+        parts = sorted(topic_meta.partitions)
+        self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
+        self._partitions = parts
+        self._assigned = True
+
+    def _catch_up(self) -> None:
+        """Poll until every partition's position reaches the high watermark seen at start."""
+        ends: dict[int, int] = {}
+        for p in self._partitions:
+            low, high = self._consumer.get_watermark_offsets(
+                TopicPartition(self.topic, p), timeout=_METADATA_TIMEOUT_S
+            )
+            if high > low:
+                ends[p] = high
+        positions: dict[int, int] = {}
+        deadline = time.monotonic() + self.catch_up_timeout_s
+        while any(positions.get(p, -1) < end for p, end in ends.items()):
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "arm control topic %s: not read to its end within %.0f s; routing with "
+                    "what was read, the rest follows",
+                    self.topic,
+                    self.catch_up_timeout_s,
+                )
+                return
+            for msg in self._consumer.consume(num_messages=500, timeout=self.poll_timeout_s):
+                if msg.error() is None:
+                    positions[msg.partition()] = msg.offset() + 1
+                self._apply(msg)
+
+    def poll_once(self, timeout_s: float) -> int:
+        """Apply what arrived within `timeout_s`; returns how many entries changed."""
+        before = self.changes
+        for msg in self._consumer.consume(num_messages=500, timeout=timeout_s):
+            self._apply(msg)
+        return self.changes - before
+
+    def _apply(self, msg: Any) -> None:
+        err = msg.error()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.warning("arm control topic %s: %s", self.topic, err)
+            return
+        raw_key = msg.key()
+        value = msg.value()
+        try:
+            if value is None:  # a tombstone: the language's entry goes
+                if not raw_key:
+                    raise ValueError("tombstone without a key")
+                lang, shares, by = raw_key.decode("utf-8"), None, "tombstone"
+            else:
+                record = decode_arm_shares(value)
+                lang = raw_key.decode("utf-8") if raw_key else str(record["language"])
+                shares = validate_shares(record["shares"])
+                by = str(record.get("updated_by", ""))
+        except (SchemaError, ValueError, UnicodeDecodeError) as exc:
+            log.warning(
+                "arm control %s@%d ignored (entry unchanged): %s", self.topic, msg.offset(), exc
+            )
+            return
+        old = self._table.entries.get(lang)
+        if (None if old is None else dict(old)) == shares:
+            return
+        self._table = self._table.with_entry(lang, shares)
+        self.changes += 1
+        self.last_change_monotonic = time.monotonic()
+        log.info(
+            "arm shares %s: %s -> %s (by %s)",
+            lang,
+            describe_shares(old),
+            describe_shares(shares),
+            by,
+        )
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def publish_shares(
+    kafka_config: Mapping[str, Any],
+    topic: str,
+    language: str,
+    shares: Mapping[str, float] | None,
+    *,
+    updated_by: str | None = None,
+    timeout_s: float = 10.0,
+    now_ms: int | None = None,
+) -> None:
+    """Write `language`'s shares (validated), or a tombstone when `shares` is None, and wait
+    for the broker's acknowledgement; ArmControlError when it is not delivered."""
+    validate_language_key(language)
+    value: bytes | None = None
+    if shares is not None:
+        value = encode_arm_shares(
+            {
+                "language": language,
+                "shares": validate_shares(shares),
+                "updated_at": now_ms if now_ms is not None else int(time.time() * 1000),
+                "updated_by": updated_by or default_updated_by(),
+            }
+        )
+    producer = Producer({**kafka_config, "acks": "all", "enable.idempotence": True})
+    errors: list[KafkaError] = []
+
+    def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            errors.append(err)
+
+    producer.produce(topic, key=language.encode("utf-8"), value=value, on_delivery=on_delivery)
+    left = producer.flush(timeout_s)
+    if left or errors:
+        why = errors[0] if errors else f"not acknowledged within {timeout_s:g} s"
+        raise ArmControlError(f"shares for {language!r} not written to {topic}: {why}")
+
+
+def read_share_table(
+    kafka_config: Mapping[str, Any], topic: str, *, timeout_s: float = 10.0
+) -> ShareTable:
+    """The table as it stands now (the topic read to its end once): `tolk arms show`."""
+    reader = ArmControlReader(kafka_config, topic, catch_up_timeout_s=timeout_s)
+    try:
+        if not reader.read_to_end():
+            raise ArmControlError(f"control topic {topic} is not available")
+        return reader.table()
+    finally:
+        reader.stop()

@@ -1,0 +1,341 @@
+"""`ProtectedSpansEngine`: a `TranslationEngine` that masks protected spans before translation
+and restores them in the result (the "protected spans" arm option of docs/REPLAY.md).
+
+Flow of one request whose text has spans (`workers.protected_spans.find_spans`):
+
+1. The masked text (`Order <x1> arrives at <x2>`) goes to the inner engine under the request's
+   own id.
+2. Its result is restored with verification (`restore`, strict). Success: the reply carries
+   the restored text; outcome `restored`.
+3. Restore failed (a token missing, duplicated, unknown or mangled): the original text goes to
+   the inner engine once more, unmasked, under `<id>~unmasked`, with the same deadline. Its
+   translation is the answer. If it carries every source span exactly (`preservation`), the
+   outcome is `retried_unmasked`; if not, or if the retry could not run or failed (deadline,
+   engine error), the reply is still sent but flagged: outcome `flagged`, the best text we
+   have (the unmasked one, else the masked one restored as far as it goes).
+
+A text without spans passes straight through (no wrapper handle, no notes, no count). A text
+that already contains mask-like tokens is translated unmasked (`skipped`). Every reply of a
+masked request says what happened in `GenerationResult.notes`, which `workers.replies` copies
+into the reply's `metadata`: `tolk.protected_spans` = the outcome, plus
+`tolk.protected_spans.spans` (how many), `.restore_error` (why restore failed) and
+`.preserved` (`found/total` of the answer) where they apply. Each outcome is counted in
+`tolk_protected_spans_total{lang, outcome}` once the worker binds its metrics
+(`bind_metrics`, called by `Worker`), and always in `ProtectedSpansEngine.outcomes`.
+
+A failed masked run (ERROR, EXPIRED, CANCELLED) is passed on as it is: the worker's own retry
+and deadline rules apply to it as to any engine result. The result of a retry carries the
+work of both runs: summed tokens and prefill/decode/total times.
+
+Callbacks run on the inner engine's thread: they do a few regex passes and, at most, queue one
+more request, so they stay quick. `protect_spans(engine)` is what the CLI calls for
+`tolk worker --protect-spans`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from workers.engine.types import (
+    FinishReason,
+    GenerationResult,
+    RequestHandle,
+    Timings,
+    TranslationEngine,
+)
+from workers.protected_spans import (
+    MaskConflict,
+    Masked,
+    MaskStyle,
+    RestoreError,
+    find_spans,
+    mask,
+    preservation,
+    restore,
+    style_for_model,
+)
+
+__all__ = [
+    "NOTE_KEY",
+    "OUTCOMES",
+    "ProtectedSpansEngine",
+    "protect_spans",
+]
+
+NOTE_KEY = "tolk.protected_spans"  # metadata key of the outcome on the reply
+OUTCOMES = ("restored", "retried_unmasked", "flagged", "skipped")
+RETRY_SUFFIX = "~unmasked"  # inner request id of the unmasked retry
+
+
+class _SpanMetrics(Protocol):
+    protected_spans_total: Any  # a prometheus Counter labelled (lang, outcome)
+
+
+@dataclass
+class _Job:
+    """One masked request in flight."""
+
+    request_id: str
+    text: str  # the original text
+    source_lang: str
+    target_lang: str
+    deadline: float | None
+    max_new_tokens: int | None
+    masked: Masked
+    handle: RequestHandle  # what the caller holds
+    inner: RequestHandle | None = None  # the inner run now in flight
+    cancelled: bool = False
+
+
+class ProtectedSpansEngine:
+    """Wraps a `TranslationEngine`; masks spans before `submit_translation`, restores after."""
+
+    def __init__(
+        self,
+        inner: TranslationEngine,
+        *,
+        style: MaskStyle | None = None,
+        metrics: _SpanMetrics | None = None,
+    ) -> None:
+        self.inner = inner
+        # None: the form the inner engine's model copied best (measured, docs/REPLAY.md)
+        self.style = style if style is not None else style_for_model(inner.model_version)
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
+
+    # -- TranslationEngine -------------------------------------------------------------------
+
+    @property
+    def model_version(self) -> str:
+        return self.inner.model_version
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return self.inner.languages
+
+    def count_tokens(self, text: str) -> int:
+        return self.inner.count_tokens(text)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.inner.stop(drain=drain, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the worker or a benchmark reads (stats, the fair queue) is the inner
+        # engine's. Only called for attributes not found on the wrapper itself.
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def bind_metrics(self, metrics: _SpanMetrics) -> None:
+        """Count outcomes in the worker's `tolk_protected_spans_total` from now on."""
+        self._metrics = metrics
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> RequestHandle:
+        """Queue one translation, masked when its text has protected spans."""
+        spans = find_spans(text)
+
+        def submit(inner_text: str) -> RequestHandle:
+            return self.inner.submit_translation(
+                request_id=request_id,
+                text=inner_text,
+                source_lang=source_lang,
+                target_lang=target_lang,
+                deadline=deadline,
+                max_new_tokens=max_new_tokens,
+            )
+
+        if not spans:
+            return submit(text)
+        try:
+            masked = mask(text, spans, self.style)
+        except MaskConflict:
+            return self._skipped(submit(text), target_lang, len(spans))
+        handle = RequestHandle(request_id, self._cancel)
+        job = _Job(
+            request_id, text, source_lang, target_lang, deadline, max_new_tokens, masked, handle
+        )
+        with self._lock:
+            self._jobs[request_id] = job
+        try:
+            job.inner = submit(masked.text)
+        except Exception:
+            with self._lock:
+                self._jobs.pop(request_id, None)
+            raise
+        job.inner.add_done_callback(lambda result: self._on_masked(job, result))
+        return handle
+
+    # -- the two runs ---------------------------------------------------------------------------
+
+    def _on_masked(self, job: _Job, result: GenerationResult) -> None:
+        if not result.ok:
+            self._resolve(job, result)  # the worker's retry / deadline rules apply
+            return
+        try:
+            text = restore(job.masked, result.text)
+        except RestoreError as exc:
+            self._retry_unmasked(job, result, exc)
+            return
+        notes = self._notes(job, "restored")
+        self._answer(job, "restored", dataclasses.replace(result, text=text, notes=notes))
+
+    def _retry_unmasked(
+        self, job: _Job, masked_result: GenerationResult, exc: RestoreError
+    ) -> None:
+        with self._lock:
+            cancelled = job.cancelled
+        if not cancelled:
+            try:
+                job.inner = self.inner.submit_translation(
+                    request_id=job.request_id + RETRY_SUFFIX,
+                    text=job.text,
+                    source_lang=job.source_lang,
+                    target_lang=job.target_lang,
+                    deadline=job.deadline,
+                    max_new_tokens=job.max_new_tokens,
+                )
+            except Exception as submit_exc:  # the engine is stopping: answer what we have
+                why = f"unmasked retry not submitted: {type(submit_exc).__name__}: {submit_exc}"
+                self._flag_masked(job, masked_result, exc, why)
+                return
+            job.inner.add_done_callback(
+                lambda result: self._on_unmasked(job, masked_result, exc, result)
+            )
+            with self._lock:
+                cancel_now = job.cancelled  # cancel() raced with the submit above
+            if cancel_now:
+                job.inner.cancel()
+            return
+        self._resolve(job, _cancelled(masked_result, job.request_id))
+
+    def _on_unmasked(
+        self,
+        job: _Job,
+        masked_result: GenerationResult,
+        exc: RestoreError,
+        result: GenerationResult,
+    ) -> None:
+        if result.finish_reason is FinishReason.CANCELLED:
+            self._resolve(job, _merged(masked_result, result, job.request_id))
+            return
+        if not result.ok:
+            why = f"unmasked retry finished {result.finish_reason.value}: {result.error}"
+            self._flag_masked(job, masked_result, exc, why)
+            return
+        found, total = preservation(job.text, result.text)
+        outcome = "retried_unmasked" if found == total else "flagged"
+        notes = self._notes(job, outcome, restore_error=exc.summary(), preserved=f"{found}/{total}")
+        merged = _merged(masked_result, result, job.request_id)
+        self._answer(job, outcome, dataclasses.replace(merged, notes=notes))
+
+    def _flag_masked(
+        self, job: _Job, masked_result: GenerationResult, exc: RestoreError, why: str
+    ) -> None:
+        """The answer of last resort: the masked translation restored as far as it goes."""
+        text = restore(job.masked, masked_result.text, strict=False)
+        found, total = preservation(job.text, text)
+        notes = self._notes(
+            job, "flagged", restore_error=exc.summary(), preserved=f"{found}/{total}", retry=why
+        )
+        self._answer(job, "flagged", dataclasses.replace(masked_result, text=text, notes=notes))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _notes(self, job: _Job, outcome: str, **extra: str) -> dict[str, str]:
+        notes = {NOTE_KEY: outcome, f"{NOTE_KEY}.spans": str(len(job.masked.spans))}
+        notes.update({f"{NOTE_KEY}.{k}": v for k, v in extra.items()})
+        return notes
+
+    def _count(self, lang: str, outcome: str) -> None:
+        with self._lock:
+            self.outcomes[(lang, outcome)] += 1
+        if self._metrics is not None:
+            self._metrics.protected_spans_total.labels(lang=lang, outcome=outcome).inc()
+
+    def _answer(self, job: _Job, outcome: str, result: GenerationResult) -> None:
+        self._count(job.target_lang, outcome)
+        self._resolve(job, result)
+
+    def _resolve(self, job: _Job, result: GenerationResult) -> None:
+        with self._lock:
+            self._jobs.pop(job.request_id, None)
+        job.handle.set_result(dataclasses.replace(result, request_id=job.request_id))
+
+    def _skipped(self, inner: RequestHandle, lang: str, n_spans: int) -> RequestHandle:
+        """The caller's handle for a text translated unmasked because it held mask-like
+        tokens: the inner result with a note, counted as `skipped`."""
+        handle = RequestHandle(inner.request_id, lambda _rid: inner.cancel())
+
+        def done(result: GenerationResult) -> None:
+            if result.ok:
+                self._count(lang, "skipped")
+                notes = {NOTE_KEY: "skipped", f"{NOTE_KEY}.spans": str(n_spans)}
+                result = dataclasses.replace(result, notes=notes)
+            handle.set_result(result)
+
+        inner.add_done_callback(done)
+        return handle
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is None:
+                return
+            job.cancelled = True
+            inner = job.inner
+        if inner is not None:
+            inner.cancel()
+
+
+def _merged(first: GenerationResult, second: GenerationResult, request_id: str) -> GenerationResult:
+    """`second` carrying the work of both runs (tokens and times summed)."""
+    t1, t2 = first.timings, second.timings
+    return dataclasses.replace(
+        second,
+        request_id=request_id,
+        tokens_in=first.tokens_in + second.tokens_in,
+        tokens_out=first.tokens_out + second.tokens_out,
+        cached_tokens=first.cached_tokens + second.cached_tokens,
+        timings=Timings(
+            queue_s=t1.queue_s,
+            prefill_s=t1.prefill_s + t2.prefill_s,
+            decode_s=t1.decode_s + t2.decode_s,
+            total_s=t1.total_s + t2.total_s,
+        ),
+    )
+
+
+def _cancelled(result: GenerationResult, request_id: str) -> GenerationResult:
+    return dataclasses.replace(
+        result,
+        request_id=request_id,
+        text="",
+        finish_reason=FinishReason.CANCELLED,
+        error="cancelled",
+    )
+
+
+def protect_spans(
+    engine: TranslationEngine, *, style: MaskStyle | None = None
+) -> ProtectedSpansEngine:
+    """`engine` with protected spans masked and restored (`tolk worker --protect-spans`)."""
+    return ProtectedSpansEngine(engine, style=style)
