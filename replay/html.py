@@ -66,7 +66,7 @@ def _comparison_rows(comparison: dict[str, Any]) -> list[list[str]]:
                 interval,
                 str(m["n"]),
                 _fmt(m["noise_estimate"]),
-                m["verdict"],
+                m["verdict"] + (f" ({m['note']})" if m.get("note") else ""),
             ]
         )
     return rows

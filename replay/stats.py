@@ -14,6 +14,12 @@ one matrix product `W @ stats`, and the score formula runs vectorised over all d
 it). Rates are the same machinery with one statistic (`mean_from_sums`) or a numerator and a
 denominator (`ratio_from_sums`, e.g. spans preserved / spans in the sources). Latency
 percentiles are not sums, so they resample indices and take `np.percentile` along each draw.
+A tail percentile needs tail samples: the bootstrap of the q-th percentile of n values is only
+trustworthy with at least `TAIL_SAMPLES` values beyond it, i.e. n >= TAIL_SAMPLES / (1 - q/100)
+(`min_items_for_percentile`: 20 for P50, 200 for P95, 1000 for P99). Below that no interval is
+drawn (the difference keeps its point estimate, `note` says why) and the verdict is no
+detectable difference: with 54 requests the P99 is the largest latency, and a bootstrap over it
+called two copies of one greedy arm "better" in a real run.
 
 The verdict (`verdict`) turns a difference into better / worse / no detectable difference:
 the interval must exclude zero and, when the run has a noise pair (two copies of one arm,
@@ -34,6 +40,8 @@ DEFAULT_DRAWS = 1000
 DEFAULT_SEED = 12345
 CONFIDENCE = 0.95
 
+TAIL_SAMPLES = 10  # values beyond a percentile needed before its interval is drawn
+
 BETTER = "better"
 WORSE = "worse"
 NO_DIFFERENCE = "no detectable difference"
@@ -50,7 +58,8 @@ class Difference:
     low: float  # lower end of the percentile interval (2.5 % for 95 %)
     high: float  # upper end (97.5 %)
     n: int  # paired items (requests answered by both arms)
-    draws: int  # bootstrap draws; 0 when there were no items
+    draws: int  # bootstrap draws; 0 when there were no items (or too few, see `note`)
+    note: str = ""  # why there is no interval, when there is none
 
     @property
     def excludes_zero(self) -> bool:
@@ -98,6 +107,11 @@ def paired_bootstrap(
     return Difference(float(estimate), low, high, n, draws)
 
 
+def min_items_for_percentile(q: float) -> int:
+    """Paired items needed before the q-th percentile's difference gets an interval."""
+    return int(np.ceil(TAIL_SAMPLES / max(1e-9, 1.0 - q / 100.0) - 1e-9))
+
+
 def percentile_difference(
     values_a: np.ndarray,
     values_b: np.ndarray,
@@ -116,6 +130,10 @@ def percentile_difference(
     if n == 0:
         return Difference(float("nan"), float("nan"), float("nan"), 0, 0)
     estimate = float(np.percentile(b, q) - np.percentile(a, q))
+    need = min_items_for_percentile(q)
+    if n < need:
+        note = f"too few requests for P{q:g}: {n} < {need}"
+        return Difference(estimate, float("nan"), float("nan"), n, 0, note)
     idx = np.random.default_rng(seed).integers(0, n, size=(draws, n))  # [draws, n]
     deltas = np.percentile(b[idx], q, axis=1) - np.percentile(a[idx], q, axis=1)
     low, high = _interval(deltas, confidence)

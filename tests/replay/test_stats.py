@@ -48,10 +48,23 @@ def test_constructed_quality_shift_is_detected(turns):
     )
 
 
+def test_tail_percentile_of_too_few_requests_gets_no_interval_nor_verdict():
+    # a real A-A' run: 54 requests, the copy a little faster by chance at the top
+    rng = np.random.default_rng(3)
+    a = rng.lognormal(np.log(15000), 0.8, size=54)
+    b = a - 900.0
+    assert [stats.min_items_for_percentile(q) for q in (50, 95, 99)] == [20, 200, 1000]
+    p99 = stats.percentile_difference(a, b, 99)
+    assert p99.estimate < 0 and p99.draws == 0 and "54 < 1000" in p99.note
+    assert stats.verdict(p99, higher_is_better=False) == stats.NO_DIFFERENCE
+    p50 = stats.percentile_difference(a, b, 50)  # 54 >= 20: judged
+    assert p50.draws > 0 and stats.verdict(p50, higher_is_better=False) == stats.BETTER
+
+
 def test_constructed_latency_shift_is_detected():
     rng = np.random.default_rng(7)
-    a = rng.lognormal(np.log(200), 0.3, size=300)
-    b = a * 0.8 + rng.normal(0, 2, size=300)  # 20 % faster
+    a = rng.lognormal(np.log(200), 0.3, size=1000)  # enough for a P99 interval
+    b = a * 0.8 + rng.normal(0, 2, size=1000)  # 20 % faster
     for q in (50, 95, 99):
         diff = stats.percentile_difference(a, b, q)
         assert diff.high < 0.0, (q, diff)
