@@ -14,7 +14,7 @@ pair arms; the corpus numbers are computed from them the same way.
   Texts under `MIN_LETTERS_FOR_LANGUAGE` letters ("OK.", "Danke!", a bare number) are too
   short to call and count as on target.
 - Empty: an OK reply whose text is blank. Truncated: the reply says it stopped at the token
-  cap (`metadata["finish_reason"] == "length"`, when a worker reports it), or the
+  cap (`metadata["tolk.finish_reason"] == "length"`, set by `workers.replies`), or the
   translation is under `TRUNCATED_RATIO` of the source's length for a source of at least
   `TRUNCATED_MIN_SOURCE` characters (cut short).
 - Protected-span preservation: `workers.protected_spans.preservation(source, translation)`
@@ -124,7 +124,7 @@ def is_empty(text: str) -> bool:
 def is_truncated(source: str, text: str, metadata: Mapping[str, str] | None = None) -> bool:
     """Stopped at the token cap (when the reply says so) or cut short (see the module doc)."""
     meta = metadata or {}
-    if meta.get("finish_reason") == "length" or meta.get("tolk.finish_reason") == "length":
+    if meta.get("tolk.finish_reason") == "length":
         return True
     src = source.strip()
     return (

@@ -25,12 +25,16 @@ from workers.engine.types import FinishReason, GenerationResult
 from workers.records import ConsumedRecord, InFlight
 
 __all__ = [
+    "FINISH_REASON_KEY",
     "STATUS_OF",
     "dead_letter_value",
     "engine_reply",
     "plain_reply",
     "result_record",
 ]
+
+# Reply metadata key saying a translation stopped at its token cap (replay.quality reads it).
+FINISH_REASON_KEY = "tolk.finish_reason"
 
 # FinishReason -> ResultStatus symbol on the reply.
 STATUS_OF: dict[FinishReason, str] = {
@@ -121,8 +125,16 @@ def engine_reply(
         tokens_out=result.tokens_out,
         cached=result.cached_tokens,
         now_ms=now_ms,
-        metadata=result.notes,
+        metadata=_reply_metadata(result),
     )
+
+
+def _reply_metadata(result: GenerationResult) -> Mapping[str, str]:
+    """The result's notes, plus `tolk.finish_reason: length` when generation stopped at its
+    token cap: a truncated translation is said so in the reply, never silently."""
+    if result.finish_reason is not FinishReason.LENGTH:
+        return result.notes
+    return {**result.notes, FINISH_REASON_KEY: FinishReason.LENGTH.value}
 
 
 def plain_reply(

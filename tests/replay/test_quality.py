@@ -34,7 +34,9 @@ def test_empty_and_truncated():
     assert not quality.is_truncated(source, "I would like to book two tickets for tonight.")
     assert not quality.is_truncated("Ja.", "Y")  # short sources are not judged by length
     assert quality.is_truncated(
-        source, "I would like to book two tickets for tonight's film", {"finish_reason": "length"}
+        source,
+        "I would like to book two tickets for tonight's film",
+        {"tolk.finish_reason": "length"},
     )
 
 
