@@ -124,7 +124,7 @@ def is_empty(text: str) -> bool:
 def is_truncated(source: str, text: str, metadata: Mapping[str, str] | None = None) -> bool:
     """Stopped at the token cap (when the reply says so) or cut short (see the module doc)."""
     meta = metadata or {}
-    if meta.get("tolk.finish_reason") == "length":
+    if meta.get("tolk.finish_reason") in ("length", "length_guard"):  # the cap or the guard
         return True
     src = source.strip()
     return (

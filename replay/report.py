@@ -197,6 +197,7 @@ def _differences(
     seed: int,
 ) -> dict[str, stats.Difference]:
     out: dict[str, stats.Difference] = {}
+    # in send order (requests.jsonl order): the latency bootstrap resamples runs of neighbours
     both = [
         rid for rid in rids if "latency_ms" in ma.get(rid, {}) and "latency_ms" in mb.get(rid, {})
     ]

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from schemas.codec import encode_request
 from tests.faults.private_stack import REPO, last_lines
+from tests.workers.fakes import TopicReader
 from topics.catalog import REPLIES, request_topic
 
 # librdkafka's own lines (a refused connection every 50 ms while a broker is down) go to
@@ -54,15 +55,22 @@ def new_prefix(name: str) -> str:
     return f"f{name}{uuid.uuid4().hex[:6]}."
 
 
-class WorkerProcess:
-    """`tests/faults/worker_main.py` as a child process; stderr goes to `log_path`."""
+WORKER_MAIN = (sys.executable, "-m", "tests.faults.worker_main")
 
-    def __init__(self, args: dict[str, Any], log_path: Path) -> None:
+
+class WorkerProcess:
+    """A worker as a child process: `command` (default `tests/faults/worker_main.py`) with
+    `args` as its JSON argument; it prints `ASSIGNED` once it owns partitions; stderr goes to
+    `log_path`."""
+
+    def __init__(
+        self, args: dict[str, Any], log_path: Path, command: Sequence[str] = WORKER_MAIN
+    ) -> None:
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         self.assigned = threading.Event()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.worker_main", json.dumps(args)],
+            [*command, json.dumps(args)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -260,63 +268,28 @@ class Seen:
     decoded: dict[str, Any] = field(default_factory=dict)
 
 
-class TopicTail:
-    """Reads every partition of `topic` from the beginning on a thread (no group commits);
+class TopicTail(TopicReader):
+    """A `TopicReader` whose records are `Seen` (partition, offset, arrival time, value);
     `decode` turns a value into a dict (its exceptions leave `decoded` empty)."""
 
     def __init__(
         self, bootstrap: str, topic: str, decode: Callable[[bytes], dict[str, Any]]
     ) -> None:
-        self.topic = topic
         self._decode = decode
-        self.records: list[Seen] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._consumer = Consumer(
-            {
-                "bootstrap.servers": bootstrap,
-                "group.id": f"tail-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "fetch.wait.max.ms": 20,
-                "logger": KAFKA_LOG,
-            }
-        )
-        md = self._consumer.list_topics(topic=topic, timeout=10)
-        parts = md.topics[topic].partitions
-        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-        self._thread = threading.Thread(target=self._run, name=f"tail-{topic}", daemon=True)
-        self._thread.start()
+        super().__init__(bootstrap, topic, **{"fetch.wait.max.ms": 20, "logger": KAFKA_LOG})
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            msg = self._consumer.poll(0.05)
-            if msg is None or msg.error():
-                continue
-            value = msg.value() or b""
-            seen = Seen(msg.partition() or 0, msg.offset() or 0, time.monotonic(), value)
-            with contextlib.suppress(Exception):
-                seen.decoded = self._decode(value)
-            with self._lock:
-                self.records.append(seen)
-
-    def snapshot(self) -> list[Seen]:
-        with self._lock:
-            return list(self.records)
+    def _record(self, msg: Any) -> Seen:
+        value = msg.value() or b""
+        seen = Seen(msg.partition() or 0, msg.offset() or 0, time.monotonic(), value)
+        with contextlib.suppress(Exception):
+            seen.decoded = self._decode(value)
+        return seen
 
     def by_request_id(self) -> dict[str, list[Seen]]:
         out: dict[str, list[Seen]] = {}
         for seen in self.snapshot():
             out.setdefault(str(seen.decoded.get("request_id", "")), []).append(seen)
         return out
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self.records)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._consumer.close()
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> float:

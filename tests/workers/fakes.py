@@ -495,13 +495,14 @@ def create_prefixed_topics(
 
 
 class TopicReader:
-    """Reads a whole topic from the beginning on a thread (no group commits)."""
+    """Reads every partition of a topic from the beginning on a thread (no group commits);
+    `records` holds what `_record` makes of each message: (key, value) here."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, **consumer_conf: Any) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer
 
         self.topic = topic
-        self.records: list[tuple[bytes | None, bytes]] = []
+        self.records: list[Any] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._consumer = Consumer(
@@ -509,25 +510,33 @@ class TopicReader:
                 "bootstrap.servers": bootstrap,
                 "group.id": f"reader-{time.monotonic_ns()}",
                 "enable.auto.commit": False,
+                **consumer_conf,
             }
         )
         md = self._consumer.list_topics(topic=topic, timeout=10)
         parts = md.topics[topic].partitions
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"reader-{topic}", daemon=True)
         self._thread.start()
+
+    def _record(self, msg: Any) -> Any:
+        return (msg.key(), msg.value() or b"")
 
     def _run(self) -> None:
         while not self._stop.is_set():
             msg = self._consumer.poll(0.05)
             if msg is None or msg.error():
                 continue
+            record = self._record(msg)
             with self._lock:
-                self.records.append((msg.key(), msg.value() or b""))
+                self.records.append(record)
+
+    def snapshot(self) -> list[Any]:
+        with self._lock:
+            return list(self.records)
 
     def values(self) -> list[bytes]:
-        with self._lock:
-            return [v for _k, v in self.records]
+        return [v for _k, v in self.snapshot()]
 
     def __len__(self) -> int:
         with self._lock:

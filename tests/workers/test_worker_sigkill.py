@@ -16,22 +16,21 @@ greedy model). Duplicates are counted and must carry the same text.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 from confluent_kafka import Producer
 
 from schemas.codec import decode_result, encode_request
+from tests.faults.harness import WorkerProcess
 from tests.workers.fakes import TopicReader, create_prefixed_topics
 from tests.workers.polling import wait_for
 from topics.catalog import REPLIES, request_topic
@@ -40,7 +39,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]
 
 LANGS = ("de", "fr", "es", "it")
 N_REQUESTS = 150
-REPO = Path(__file__).resolve().parents[2]
 
 # The worker process: real engine, runs on its main thread (SIGTERM drains), prints one line
 # when its first partitions are assigned.
@@ -73,42 +71,7 @@ worker.run()
 """
 
 
-class WorkerProcess:
-    def __init__(self, args: dict[str, Any], log_path: Path) -> None:
-        self.log: IO[bytes] = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, json.dumps(args)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def wait_assigned(self, timeout: float) -> None:
-        assert self.proc.stdout is not None
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline()  # blocks until a line or EOF
-            if line.startswith(b"ASSIGNED"):
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        raise AssertionError(f"worker process not assigned (exit {self.proc.poll()})")
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def terminate(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        return self.proc.returncode
+CHILD_COMMAND = (sys.executable, "-c", CHILD)
 
 
 @pytest.fixture
@@ -138,7 +101,7 @@ def test_sigkill_under_load_then_restart_loses_nothing(
     }
     replies = TopicReader(kafka_bootstrap, prefix + REPLIES)
     try:
-        first = WorkerProcess({**args, "worker_id": "first"}, tmp_path / "first.log")
+        first = WorkerProcess({**args, "worker_id": "first"}, tmp_path / "first.log", CHILD_COMMAND)
         procs.append(first)
         first.wait_assigned(180)
 
@@ -172,7 +135,9 @@ def test_sigkill_under_load_then_restart_loses_nothing(
         seen_at_kill = len(replies)
         assert first.proc.returncode == -signal.SIGKILL
 
-        second = WorkerProcess({**args, "worker_id": "second"}, tmp_path / "second.log")
+        second = WorkerProcess(
+            {**args, "worker_id": "second"}, tmp_path / "second.log", CHILD_COMMAND
+        )
         procs.append(second)
         second.wait_assigned(180)  # after the dead member's session timeout (6 s)
 

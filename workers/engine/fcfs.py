@@ -2,8 +2,8 @@
 
 An `Engine` built without a queue admits requests in arrival order through this one, so the
 engine package needs nothing of `workers.fairness` (whose `VTCQueue` is what the worker plugs in,
-and whose own `FCFSQueue` keeps a per-language service ledger for comparisons). This queue keeps
-no ledger: `charge()` is a no-op.
+and whose `FCFSQueue` wraps this one with a per-language service ledger for comparisons). This
+queue keeps no ledger: `charge()` is a no-op.
 
 One deque in push order; `remove()` (a cancel) marks the entry dead and it is dropped when it
 reaches the head, so every operation is O(1) amortized. Not thread-safe: the engine's loop

@@ -31,18 +31,18 @@ Design notes:
 - Not thread-safe: the engine's scheduler thread owns it. Readers on other threads go through
   `workers.serving.queue_snapshot.GuardedQueue` (one lock, frozen snapshots of the ledger).
 
-`FCFSQueue` is the baseline: one deque in push order; `charge()` only records service, so the
-benchmarks can report the same per-group numbers for both.
+`FCFSQueue` is the baseline: the engine's `FCFSRequestQueue` in push order; `charge()` only
+records service, so the benchmarks can report the same per-group numbers for both.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.types import GenerationRequest
 from workers.fairness.policy import LanguagePolicy
 
@@ -278,17 +278,16 @@ class VTCQueue(_Ledger):
 
 
 class FCFSQueue(_Ledger):
-    """First come, first served in push order; implements `RequestQueue`.
-
-    `charge()` schedules nothing; it records the service for the same metrics as VTCQueue.
+    """First come, first served in push order (the engine's own `FCFSRequestQueue`) plus the
+    per-language service ledger, so the fairness metrics compare it with `VTCQueue`;
+    implements `RequestQueue`. `charge()` schedules nothing; it only records the service.
     """
 
     def __init__(
         self, weights: Mapping[str, float] | None = None, default_weight: float = 1.0
     ) -> None:
         super().__init__(weights, default_weight)
-        self._fifo: deque[_Entry] = deque()
-        self._live: dict[str, _Entry] = {}
+        self._queue = FCFSRequestQueue()
 
     @classmethod
     def from_policies(
@@ -297,44 +296,28 @@ class FCFSQueue(_Ledger):
         return cls({lang: p.weight for lang, p in policies.items()}, default_weight)
 
     def push(self, request: GenerationRequest) -> None:
-        rid = request.request_id
-        if rid in self._live:
-            raise ValueError(f"request {rid!r} is already queued")
-        entry = _Entry(request, request.group)
-        self._fifo.append(entry)
-        self._live[rid] = entry
-        self._depth[entry.group] = self._depth.get(entry.group, 0) + 1
+        self._queue.push(request)
+        self._depth[request.group] = self._depth.get(request.group, 0) + 1
 
     def peek(self) -> GenerationRequest | None:
-        fifo = self._fifo
-        while fifo and not fifo[0].alive:
-            fifo.popleft()
-        return fifo[0].request if fifo else None
+        return self._queue.peek()
 
     def pop(self) -> GenerationRequest:
-        if self.peek() is None:
-            raise IndexError("pop from an empty FCFSQueue")
-        entry = self._fifo.popleft()
-        entry.alive = False
-        del self._live[entry.request.request_id]
-        self._depth[entry.group] -= 1
-        return entry.request
+        request = self._queue.pop()
+        self._depth[request.group] -= 1
+        return request
 
     def remove(self, request_id: str) -> GenerationRequest | None:
-        entry = self._live.pop(request_id, None)
-        if entry is None:
-            return None
-        entry.alive = False  # dropped lazily when it reaches the head
-        self._depth[entry.group] -= 1
-        if len(self._fifo) > 64 and len(self._fifo) > 2 * len(self._live):
-            self._fifo = deque(e for e in self._fifo if e.alive)
-        return entry.request
+        request = self._queue.remove(request_id)
+        if request is not None:
+            self._depth[request.group] -= 1
+        return request
 
     def charge(self, request: GenerationRequest, prefill_tokens: int, output_tokens: int) -> None:
         self._record(request.group, service_cost(prefill_tokens, output_tokens))
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self._queue)
 
     def counters(self) -> dict[str, float]:
         """FCFS keeps no counters; this is the weight-normalized service, VTC's counter minus
@@ -342,4 +325,4 @@ class FCFSQueue(_Ledger):
         return self.service_by_group(normalized=True)
 
     def __iter__(self) -> Iterator[GenerationRequest]:
-        return iter([e.request for e in self._live.values()])
+        return iter(self._queue)
