@@ -6,13 +6,25 @@
 #   bash compose/stack.sh down     stop both cleanly
 #   bash compose/stack.sh status   say what runs; exit 0 only when both answer
 #   bash compose/stack.sh clean    down, then delete the broker's and redis' data (keeps the jars)
+#   bash compose/stack.sh observability-up | observability-down
+#                                  only Prometheus (Debian's package, apt-get installs it if
+#                                  missing), scraping the workers and `tolk load` on loopback;
+#                                  'up' starts it too with TOLK_OBSERVABILITY=1, 'down' stops it
 #
 # Environment (all optional):
 #   TOLK_STATE_DIR               state dir (default ~/.local/state/tolk): jars, data, logs, pidfiles
 #   TOLK_KAFKA_PORT              broker listener on 127.0.0.1 (default 9092)
 #   TOLK_KAFKA_CONTROLLER_PORT   KRaft controller listener on 127.0.0.1 (default 9093)
 #   TOLK_REDIS_PORT              redis on 127.0.0.1 (default 6379)
+#   TOLK_REDIS_MAXMEMORY         redis 'maxmemory' (default 256mb); past it redis evicts the least
+#                                recently used keys (allkeys-lru): translation-cache entries and
+#                                stored replies, both optimisations, never refused writes
 #   TOLK_KAFKA_HEAP              JVM heap options (default "-Xmx512m -Xms256m")
+#   TOLK_OBSERVABILITY           1: 'up' also starts Prometheus (as 'observability-up' does)
+#   TOLK_PROMETHEUS_PORT         Prometheus on 127.0.0.1 (default 9090)
+#   TOLK_PROMETHEUS_TARGETS      worker metrics ports it scrapes (default 127.0.0.1:9400; comma list)
+#   TOLK_PROMETHEUS_LOAD_TARGETS `tolk load` metrics ports it scrapes (default 127.0.0.1:9402)
+#   TOLK_PROMETHEUS_SCRAPE_INTERVAL  scrape interval (default 5s)
 #   TOLK_START_TIMEOUT           seconds to wait for each service to answer (default 120)
 #   TOLK_PYTHON                  a python with confluent_kafka for the broker readiness check
 #   TOLK_KAFKA_SECURITY          plaintext (default) or sasl_ssl: the broker port becomes a
@@ -35,8 +47,13 @@ STATE_DIR="${TOLK_STATE_DIR:-$HOME/.local/state/tolk}"
 KAFKA_PORT="${TOLK_KAFKA_PORT:-9092}"
 CONTROLLER_PORT="${TOLK_KAFKA_CONTROLLER_PORT:-9093}"
 REDIS_PORT="${TOLK_REDIS_PORT:-6379}"
+REDIS_MAXMEMORY="${TOLK_REDIS_MAXMEMORY:-256mb}"
 KAFKA_HEAP="${TOLK_KAFKA_HEAP:--Xmx512m -Xms256m}"
 START_TIMEOUT="${TOLK_START_TIMEOUT:-120}"
+PROM_PORT="${TOLK_PROMETHEUS_PORT:-9090}"
+PROM_TARGETS="${TOLK_PROMETHEUS_TARGETS:-127.0.0.1:9400}"
+PROM_LOAD_TARGETS="${TOLK_PROMETHEUS_LOAD_TARGETS:-127.0.0.1:9402}"
+PROM_INTERVAL="${TOLK_PROMETHEUS_SCRAPE_INTERVAL:-5s}"
 
 LOG_DIR="$STATE_DIR/logs"
 LIBS_DIR="$STATE_DIR/kafka-libs"
@@ -282,7 +299,8 @@ redis_up() {
     if [[ $REDIS_AUTH -eq 0 ]]; then
         redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes \
             --pidfile "$REDIS_PID" --dir "$REDIS_DIR" --logfile "$LOG_DIR/redis.log" \
-            --save "" --appendonly no --protected-mode yes 9>&-
+            --save "" --appendonly no --protected-mode yes \
+            --maxmemory "$REDIS_MAXMEMORY" --maxmemory-policy allkeys-lru 9>&-
     else
         # The same options from a 0600 file, so the password is not on the command line.
         (
@@ -290,6 +308,7 @@ redis_up() {
             printf '%s\n' "bind 127.0.0.1" "port $REDIS_PORT" "daemonize yes" \
                 "pidfile $REDIS_PID" "dir $REDIS_DIR" "logfile $LOG_DIR/redis.log" \
                 'save ""' "appendonly no" "protected-mode yes" \
+                "maxmemory $REDIS_MAXMEMORY" "maxmemory-policy allkeys-lru" \
                 "requirepass $(secret redis.password)" >"$REDIS_CONF"
         )
         redis-server "$REDIS_CONF" 9>&-
@@ -613,6 +632,100 @@ kafka_down() {
     rm -f "$KAFKA_PID"
 }
 
+# ---------------------------------------------------------------- prometheus (observability)
+
+PROM_DIR="$STATE_DIR/prometheus"
+PROM_PID="$PROM_DIR/prometheus.pid"
+PROM_CONF="$PROM_DIR/prometheus.yml"
+
+prometheus_pid() { pid_of "$PROM_PID" "$PROM_CONF"; }
+
+prometheus_ready() {  # HTTP 200 from /-/ready
+    local reply
+    reply="$(exec 2>/dev/null 3<>"/dev/tcp/127.0.0.1/$PROM_PORT" \
+        && printf 'GET /-/ready HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3 \
+        && timeout 2 head -c 12 <&3)" 2>/dev/null || return 1
+    [[ $reply == "HTTP/1."?" 200" ]]
+}
+
+install_prometheus() {
+    command -v prometheus >/dev/null && return 0
+    command -v apt-get >/dev/null || die "prometheus is missing and apt-get is not available"
+    local sudo=()
+    [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+    log "installing prometheus with apt-get"
+    local policy=/usr/sbin/policy-rc.d made_policy=0 rc=0
+    if [[ ! -e $policy ]]; then  # keep the package from starting a system-wide one on 9090
+        printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
+        "${sudo[@]}" chmod +x "$policy"
+        made_policy=1
+    fi
+    {
+        "${sudo[@]}" apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq prometheus >/dev/null
+    } || rc=$?
+    [[ $made_policy -eq 0 ]] || "${sudo[@]}" rm -f "$policy"
+    [[ $rc -eq 0 ]] || die "apt-get install prometheus failed (exit $rc)"
+}
+
+yaml_targets() {  # "a:1,b:2" -> "a:1", "b:2"
+    local out="" t list
+    IFS=',' read -ra list <<<"$1"
+    for t in "${list[@]}"; do
+        [[ -z $t ]] || out+="${out:+, }\"$t\""
+    done
+    echo "$out"
+}
+
+prometheus_up() {
+    local pid
+    if pid="$(prometheus_pid)"; then
+        log "prometheus already running (pid $pid) on 127.0.0.1:$PROM_PORT"
+        return 0
+    fi
+    port_open "$PROM_PORT" && die "port $PROM_PORT is taken (TOLK_PROMETHEUS_PORT picks another)"
+    install_prometheus
+    mkdir -p "$PROM_DIR/data" "$LOG_DIR"
+    cat >"$PROM_CONF" <<EOF
+# Written by compose/stack.sh; edits are overwritten on the next start.
+global:
+  scrape_interval: $PROM_INTERVAL
+  evaluation_interval: $PROM_INTERVAL
+scrape_configs:
+  - job_name: tolk-worker
+    static_configs:
+      - targets: [$(yaml_targets "$PROM_TARGETS")]
+  - job_name: tolk-load
+    static_configs:
+      - targets: [$(yaml_targets "$PROM_LOAD_TARGETS")]
+EOF
+    rm -f "$PROM_PID"
+    setsid prometheus --config.file="$PROM_CONF" --storage.tsdb.path="$PROM_DIR/data" \
+        --web.listen-address="127.0.0.1:$PROM_PORT" --storage.tsdb.retention.time=7d \
+        >"$LOG_DIR/prometheus.log" 2>&1 </dev/null 9>&- &
+    pid=$!
+    echo "$pid" >"$PROM_PID"
+    local i
+    for ((i = 0; i < START_TIMEOUT * 5; i++)); do
+        if prometheus_ready; then
+            log "prometheus up (pid $pid) on 127.0.0.1:$PROM_PORT, scraping $PROM_TARGETS and $PROM_LOAD_TARGETS"
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    tail -n 30 "$LOG_DIR/prometheus.log" >&2 || true
+    die "prometheus did not answer on 127.0.0.1:$PROM_PORT (log: $LOG_DIR/prometheus.log)"
+}
+
+prometheus_down() {
+    local pid
+    if pid="$(prometheus_pid)"; then
+        stop_pid "$pid" prometheus 20
+    fi
+    rm -f "$PROM_PID"
+}
+
 # ---------------------------------------------------------------- commands
 
 status() {
@@ -643,6 +756,9 @@ status() {
         echo "redis: stopped"
         rc=3
     fi
+    if pid="$(prometheus_pid)"; then  # optional: never changes the exit code
+        echo "prometheus: running (pid $pid) on 127.0.0.1:$PROM_PORT"
+    fi
     echo "state: $STATE_DIR"
     [[ ! -s $CLIENT_ENV ]] || echo "client credentials: $CLIENT_ENV"
     return "$rc"
@@ -668,8 +784,13 @@ with_lock() {
 [[ ${1:-} == __exec-java ]] || resolve_mode
 
 case "${1:-}" in
-    up) with_lock prepare_secrets && with_lock redis_up && with_lock kafka_up && record_mode ;;
-    down) with_lock kafka_down && with_lock redis_down ;;
+    up)
+        with_lock prepare_secrets && with_lock redis_up && with_lock kafka_up && record_mode
+        [[ ${TOLK_OBSERVABILITY:-0} != 1 ]] || with_lock prometheus_up
+        ;;
+    down) with_lock prometheus_down && with_lock kafka_down && with_lock redis_down ;;
+    observability-up) with_lock prometheus_up ;;
+    observability-down) with_lock prometheus_down ;;
     status) status ;;
     __exec-java)
         shift
@@ -677,13 +798,14 @@ case "${1:-}" in
         java_cmd "$@"
         ;;
     clean)
+        with_lock prometheus_down
         with_lock kafka_down
         with_lock redis_down
-        rm -rf "$KAFKA_DIR" "$REDIS_DIR" "$SECRETS_DIR" "$TLS_DIR" "$MODE_FILE"
+        rm -rf "$PROM_DIR" "$KAFKA_DIR" "$REDIS_DIR" "$SECRETS_DIR" "$TLS_DIR" "$MODE_FILE"
         log "removed $KAFKA_DIR, $REDIS_DIR and the certificates and secrets"
         ;;
     *)
-        echo "usage: $0 up|down|status|clean" >&2
+        echo "usage: $0 up|down|status|clean|observability-up|observability-down" >&2
         exit 2
         ;;
 esac

@@ -14,7 +14,8 @@ pair arms; the corpus numbers are computed from them the same way.
   Texts under `MIN_LETTERS_FOR_LANGUAGE` letters ("OK.", "Danke!", a bare number) are too
   short to call and count as on target.
 - Empty: an OK reply whose text is blank. Truncated: the reply says it stopped at the token
-  cap (`metadata["tolk.finish_reason"] == "length"`, set by `workers.replies`), or the
+  cap (`metadata["tolk.finish_reason"]` is `length`, set by `workers.replies`, or
+  `length_guard`, the source-derived cap of `workers.faithful_engine`), or the
   translation is under `TRUNCATED_RATIO` of the source's length for a source of at least
   `TRUNCATED_MIN_SOURCE` characters (cut short).
 - Protected-span preservation: `workers.protected_spans.preservation(source, translation)`

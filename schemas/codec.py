@@ -46,6 +46,7 @@ from schemas.limits import compile_layout as _compile_layout
 
 __all__ = [
     "ARM_SHARES",
+    "ROLLOUT_EVENT",
     "DEAD_LETTER",
     "REQUEST",
     "RESULT",
@@ -58,11 +59,13 @@ __all__ = [
     "decode_dead_letter",
     "decode_request",
     "decode_result",
+    "decode_rollout_event",
     "default_codec",
     "encode_arm_shares",
     "encode_dead_letter",
     "encode_request",
     "encode_result",
+    "encode_rollout_event",
     "schema_fingerprint",
 ]
 
@@ -71,12 +74,14 @@ REQUEST = "tolk.TranslationRequest"
 RESULT = "tolk.TranslationResult"
 DEAD_LETTER = "tolk.DeadLetter"
 ARM_SHARES = "tolk.ArmShares"  # the control topic's values (workers.arm_control)
+ROLLOUT_EVENT = "tolk.RolloutEvent"  # the canary guard's events (workers.guard)
 
 _SCHEMA_FILES = {
     REQUEST: "translation_request.avsc",
     RESULT: "translation_result.avsc",
     DEAD_LETTER: "dead_letter.avsc",
     ARM_SHARES: "arm_shares.avsc",
+    ROLLOUT_EVENT: "rollout_event.avsc",
 }
 # Earlier versions of the built-in schemas: known as writers by every codec with the built-in
 # schemas, so records they wrote (single-object encoding names its writer) still decode.
@@ -455,3 +460,11 @@ def encode_arm_shares(record: Mapping[str, Any]) -> bytes:
 
 def decode_arm_shares(data: bytes) -> dict[str, Any]:
     return default_codec().decode(ARM_SHARES, data)
+
+
+def encode_rollout_event(record: Mapping[str, Any]) -> bytes:
+    return default_codec().encode(ROLLOUT_EVENT, record)
+
+
+def decode_rollout_event(data: bytes) -> dict[str, Any]:
+    return default_codec().decode(ROLLOUT_EVENT, data)

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_KAFKA_REDIS = ("confluent_kafka", "redis", "faust", "prometheus_client")
+_KAFKA_REDIS = ("confluent_kafka", "redis", "faust", "prometheus_client", "opentelemetry")
 _OUTSIDE_THE_ENGINE = ("workers.worker", "workers.client", "schemas", "topics", "replay")
 
 # package (folder) -> module prefixes it must never import
@@ -50,6 +50,7 @@ RULES: dict[str, tuple[str, ...]] = {
         "workers.reply_publisher",
         "workers.serving",
         "workers.protected_engine",
+        "workers.faithful_engine",
     ),
     "schemas": ("workers", "torch", "confluent_kafka"),
     "topics": ("workers", "torch"),
@@ -103,7 +104,12 @@ def violations(package: str, root: Path = ROOT) -> list[str]:
 
 
 # single modules of pure logic (shared by the worker and replay): no Kafka, no model, no threads
-PURE_MODULES = ("workers/arms.py", "workers/protected_spans.py", "workers/retries.py")
+PURE_MODULES = (
+    "workers/arms.py",
+    "workers/faithful.py",
+    "workers/protected_spans.py",
+    "workers/retries.py",
+)
 _NOT_PURE = ("confluent_kafka", "redis", "faust", "prometheus_client", "torch", "threading")
 
 

@@ -11,6 +11,11 @@ so one conversation stays on one partition and in order.
 language or ``"*"``; ``workers.arms``, ``workers.arm_control``). It is compacted, so it keeps
 the latest entry per key forever and a worker reads the whole table from the beginning at
 start; one partition keeps every change in one order.
+
+``tolk.rollout.events`` holds the canary rollouts' history (``RolloutEvent``, keyed by the
+language; ``workers.guard``): operator starts, promotions and aborts and the guard's decision on
+every judged window. One partition, kept 30 days; the guard folds it into each language's
+rollout state at start.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas.codec import ARM_SHARES, DEAD_LETTER, REQUEST, RESULT
+from schemas.codec import ARM_SHARES, DEAD_LETTER, REQUEST, RESULT, ROLLOUT_EVENT
 
 REQUEST_TOPIC_PREFIX = "tolk.requests."
 REPLIES = "tolk.replies"
 DEAD_LETTERS = "tolk.dead-letters"
 ARM_CONTROL = "tolk.control.arms"  # compacted: the latest ArmShares per language
+ROLLOUT_EVENTS = "tolk.rollout.events"  # the canary guard's RolloutEvents (workers/guard)
 
 _DAY_MS = 24 * 60 * 60 * 1000
 REQUEST_RETENTION_MS = 7 * _DAY_MS  # long enough to replay a week for A/B comparisons
@@ -74,6 +80,10 @@ def arm_control_topic(prefix: str = "") -> str:
     return prefix + ARM_CONTROL
 
 
+def rollout_events_topic(prefix: str = "") -> str:
+    return prefix + ROLLOUT_EVENTS
+
+
 def language_of(topic: str, prefix: str = "") -> str | None:
     """``"tolk.requests.de"`` -> ``"de"``; None for topics that are not request topics."""
     head = prefix + REQUEST_TOPIC_PREFIX
@@ -86,7 +96,7 @@ def language_of(topic: str, prefix: str = "") -> str | None:
 def catalog(languages: Sequence[str], partitions: int = 3, *, prefix: str = "") -> list[TopicSpec]:
     """Every topic for a deployment serving ``languages`` (target languages), in a stable
     order: the request topics (as given, duplicates dropped), the replies, the dead letters,
-    the arms' control topic.
+    the arms' control topic, the rollout events.
     ``prefix`` goes in front of every name (``Settings.topic_prefix``: tests, tenants)."""
     if isinstance(languages, str):
         raise TypeError("languages must be a sequence of codes, not one string")
@@ -123,6 +133,16 @@ def catalog(languages: Sequence[str], partitions: int = 3, *, prefix: str = "") 
             # compacted: the latest entry per language lives forever; tombstones go after a day
             config={"cleanup.policy": "compact", "delete.retention.ms": str(_DAY_MS)},
             value_schema=ARM_SHARES,
+        )
+    )
+    specs.append(
+        TopicSpec(
+            # one partition: a rollout's history in one order, read whole by the guard and
+            # `tolk rollout status`; the guard's changelog and repartition topics are faust's
+            name=rollout_events_topic(prefix),
+            partitions=1,
+            config={"retention.ms": str(DEAD_LETTER_RETENTION_MS), "cleanup.policy": "delete"},
+            value_schema=ROLLOUT_EVENT,
         )
     )
     return specs

@@ -21,6 +21,12 @@ here; so does `tolk arms set de A=30 B=70` (`publish_shares`).
 * a value that cannot be decoded or whose shares are invalid is logged and ignored: the entry
   keeps its previous shares.
 
+`table_at(ts_ms)` routes a record by the entries in force at its timestamp: each entry takes
+effect at its `updated_at` (a tombstone at its record time), so two arms that read the same
+request at different moments around a share change still route it alike (exactly one answers),
+as long as the entry reaches them before requests stamped after it do. A canary controller
+writes its entries a little ahead (`workers.guard`: 2 s) for that reason.
+
 `StaticShares` is the same interface over a fixed table, for tests and embedding.
 """
 
@@ -139,6 +145,10 @@ class ArmControlReader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.changes = 0  # entries changed since start (the catch-up included)
+        # language -> ((effective at, shares or None), ...) in effect order; swapped whole
+        self._history: dict[str, tuple[tuple[int, dict[str, float] | None], ...]] = {}
+        self._latest_effective = 0  # the latest effective time of any entry
+        self._at_cache: dict[tuple[int, ...], ShareTable] = {}
         self.last_change_monotonic: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -172,6 +182,26 @@ class ArmControlReader:
     def table(self) -> ShareTable:
         """The current table (immutable; swapped whole on each change)."""
         return self._table
+
+    def table_at(self, ts_ms: int) -> ShareTable:
+        """The table in force at `ts_ms` (see the module docstring); the current one for a
+        time after every entry's effective time."""
+        history, table = self._history, self._table
+        if ts_ms >= self._latest_effective:
+            return table
+        picks = tuple(
+            sum(1 for effective, _ in entries if effective <= ts_ms)
+            for _, entries in sorted(history.items())
+        )
+        cache = self._at_cache
+        cached = cache.get(picks)
+        if cached is None:
+            at = ShareTable()
+            for (lang, entries), n in zip(sorted(history.items()), picks, strict=True):
+                if n and entries[n - 1][1] is not None:
+                    at = at.with_entry(lang, entries[n - 1][1])
+            cached = cache[picks] = at
+        return cached
 
     def read_to_end(self) -> bool:
         """Assign the topic and read it to the end seen now (bounded by `catch_up_timeout_s`);
@@ -280,6 +310,9 @@ class ArmControlReader:
         old = self._table.entries.get(lang)
         if (None if old is None else dict(old)) == shares:
             return
+        # when the entry takes effect: its updated_at; a tombstone's record time
+        effective = int(msg.timestamp()[1] if value is None else record["updated_at"])
+        self._remember(lang, effective, shares)
         self._table = self._table.with_entry(lang, shares)
         self.changes += 1
         self.last_change_monotonic = time.monotonic()
@@ -290,6 +323,15 @@ class ArmControlReader:
             describe_shares(shares),
             by,
         )
+
+    def _remember(self, lang: str, effective: int, shares: dict[str, float] | None) -> None:
+        """Add an entry to the language's history (copy on write: the poll thread reads it)."""
+        entries = sorted((*self._history.get(lang, ()), (effective, shares)), key=lambda e: e[0])
+        history = dict(self._history)
+        history[lang] = tuple(entries[-64:])  # enough for any request still in flight
+        self._history = history
+        self._latest_effective = max(self._latest_effective, effective)
+        self._at_cache = {}
 
 
 # -- writing ----------------------------------------------------------------------------------

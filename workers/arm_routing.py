@@ -93,7 +93,8 @@ class ArmRouter:
 
     def serves(self, rec: ConsumedRecord) -> bool:
         """Is `rec` this arm's to answer? Counts it in `tolk_arm_skipped_total` when not."""
-        table = self.shares.table()
+        table_at = getattr(self.shares, "table_at", None)  # the entries in force at its time
+        table = table_at(rec.broker_ts_ms) if table_at is not None else self.shares.table()
         route = route_request(
             rec.request, arm=self.arm, lang=rec.lang, table=table, record_key=rec.key
         )

@@ -6,6 +6,9 @@
     tolk worker [--model ...]          run a worker with the real engine (--arm NAME: an A/B arm)
     tolk arms set|clear|show           the arms' shares per language (control topic)
     tolk replay run | report           replay logs to the arms, the A/B report (replay/cli.py)
+    tolk tm import|build|query|status  translation memories, the phrase index (tm/cli.py)
+    tolk rollout start|status|promote|abort   canary rollouts per language (rollout_cli.py)
+    tolk guard                         the canary guard: windows, rollback, promotion
     tolk translate "text" --to de      one request through Kafka
     tolk demo                          the end-to-end demo
 """
@@ -19,6 +22,10 @@ from typing import Annotated, Any
 import typer
 
 from replay.cli import app as replay_app  # typer only: the replay job loads inside its commands
+from workers.loadtest.cli import load as load_command  # typer only: locust loads inside
+from workers.rollout_cli import guard as guard_command
+from workers.rollout_cli import rollout_app
+from workers.tm.cli import app as tm_app  # typer only: faiss and torch load inside
 
 app = typer.Typer(help="tolk: Kafka-native translation inference.", no_args_is_help=True)
 topics_app = typer.Typer(help="Kafka topics.", no_args_is_help=True)
@@ -26,6 +33,10 @@ app.add_typer(topics_app, name="topics")
 arms_app = typer.Typer(help="A/B arms: shares per language (control topic).", no_args_is_help=True)
 app.add_typer(arms_app, name="arms")
 app.add_typer(replay_app, name="replay")
+app.add_typer(tm_app, name="tm")  # translation memories (workers/tm/cli.py)
+app.add_typer(rollout_app, name="rollout")  # canary rollouts (workers/rollout_cli.py)
+app.command("guard")(guard_command)
+app.command("load")(load_command)  # open-loop Locust load test (workers/loadtest/cli.py)
 
 STACK_SCRIPT = Path(__file__).resolve().parent.parent / "compose" / "stack.sh"
 
@@ -37,12 +48,15 @@ BootstrapOpt = Annotated[
 ]
 
 
-def run_stack(command: str) -> int:
-    """`bash compose/stack.sh <command>`; its exit code (2 when the script is missing)."""
+def run_stack(command: str, env: dict[str, str] | None = None) -> int:
+    """`bash compose/stack.sh <command>`; its exit code (2 when the script is missing).
+    `env`: variables added to this process's environment for the script."""
     if not STACK_SCRIPT.is_file():
         typer.echo(f"compose script not found: {STACK_SCRIPT}", err=True)
         return 2
-    return subprocess.call(["bash", str(STACK_SCRIPT), command])
+    import os
+
+    return subprocess.call(["bash", str(STACK_SCRIPT), command], env={**os.environ, **(env or {})})
 
 
 def _stack(command: str) -> None:
@@ -50,9 +64,14 @@ def _stack(command: str) -> None:
 
 
 @app.command()
-def up() -> None:
-    """Start the local Kafka broker and redis (idempotent)."""
-    _stack("up")
+def up(
+    observability: Annotated[
+        bool,
+        typer.Option(help="Also Prometheus on :9090, scraping workers (:9400) and `tolk load`."),
+    ] = False,
+) -> None:
+    """Start the local Kafka broker and redis (idempotent); --observability: Prometheus too."""
+    raise typer.Exit(run_stack("up", {"TOLK_OBSERVABILITY": "1"} if observability else None))
 
 
 @app.command()
@@ -136,6 +155,28 @@ def worker(
         bool,
         typer.Option(help="Mask numbers, URLs, ids, placeholders before translating; restore."),
     ] = False,
+    faithful_checks: Annotated[
+        bool,
+        typer.Option(
+            "--faithful/--no-faithful",
+            help="Length guard + leak/ratio/loop checks with one retry (docs/PROMPTS.md).",
+        ),
+    ] = True,
+    cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--cache/--no-cache",
+            help="Exact-match translation cache, L1 + Redis (default on; TOLK_CACHE=0: off).",
+        ),
+    ] = None,
+    drill_inject_latency: Annotated[
+        list[str] | None,
+        typer.Option(help="DRILL, a canary made slow: lang:fraction:ms (workers/drill_engine.py)."),
+    ] = None,
+    drill_inject_errors: Annotated[
+        list[str] | None,
+        typer.Option(help="DRILL, a canary made to fail: lang:fraction."),
+    ] = None,
 ) -> None:
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
     import logging
@@ -169,12 +210,31 @@ def worker(
         policies,
         burst_tokens=settings.burst_tokens,
     )
+    from workers.engine.types import TranslationEngine
+
+    served: TranslationEngine = engine
+    checked = None
+    if faithful_checks:  # issue #18 (workers/faithful_engine.py): innermost, its retry needs
+        from workers.faithful_engine import faithful  # the engine's prompt forms
+
+        max_new = max((p.max_new_tokens for p in policies.values()), default=256)
+        served = checked = faithful(engine, default_max_new_tokens=max_new)
     if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
         from workers.protected_engine import protect_spans as with_protected_spans
 
-        Worker(settings, with_protected_spans(engine)).run()
-    else:
-        Worker(settings, engine).run()
+        served = with_protected_spans(served)
+    if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
+        from workers.cache_engine import with_translation_cache
+
+        served = with_translation_cache(served, settings, variant=f"quantize={quantize or ''}")
+    if drill_inject_latency or drill_inject_errors:  # outermost: every reply of the arm
+        from workers.drill_engine import with_drills
+
+        served = with_drills(served, drill_inject_latency or (), drill_inject_errors or ())
+    runner = Worker(settings, served)
+    if checked is not None:
+        checked.bind_metrics(runner.metrics)  # the worker binds only the outermost wrapper
+    runner.run()
 
 
 def _arms_target(bootstrap: str | None) -> tuple[Any, str]:

@@ -62,6 +62,7 @@ from workers.client_types import (
     TranslationTimeout,
 )
 from workers.kafka_config import KafkaConnectionError, check_broker
+from workers.tracing import client_span, inject_traceparent, traceparent_of
 
 __all__ = [
     "TranslationClient",
@@ -117,6 +118,7 @@ class _Send:
     give_up_at: float  # monotonic: when translate() stops waiting for it
     on_delivery: Callable[[KafkaError | None, Any], None] | None = None
     resends: int = 0  # times it was produced again after a failed delivery
+    headers: list[tuple[str, bytes]] | None = None  # W3C trace context (workers/tracing.py)
 
 
 def _seconds(value: timedelta | float | None) -> float | None:
@@ -145,6 +147,7 @@ class TranslationClient:
         producer_factory: Callable[[dict[str, Any]], Any] = Producer,
         consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
         check_connection: bool = True,
+        tracer: Any = None,
     ) -> None:
         """`topic_prefix` is prepended to the request topics (and to the default reply topic),
         matching the worker's setting. `default_timeout`: how long `translate` waits when no
@@ -158,7 +161,12 @@ class TranslationClient:
         `check_connection`: `start()` first makes one metadata request with `kafka_config`
         (`workers.kafka_config.check_broker`) and fails at once with a readable reason (a
         security protocol mismatch, bad credentials, an unknown CA); skipped with a custom
-        producer factory."""
+        producer factory.
+        Tracing: each request carries the W3C `traceparent` of the caller's current
+        OpenTelemetry span, if one is active; with a `tracer` (an OpenTelemetry `Tracer`),
+        `translate` opens its own span,
+        `tolk translate <lang>`, around the request and its reply (a worker with tracing on
+        continues the trace; `TranslationReply.trace_parent` names the worker's span)."""
         self.bootstrap = bootstrap
         self.topic_prefix = topic_prefix
         self.reply_topic = reply_topic or topic_prefix + REPLIES
@@ -176,6 +184,7 @@ class TranslationClient:
             raise ValueError(f"delivery_timeout must be > 0, got {self.delivery_timeout!r}")
         self._producer_factory = producer_factory
         self._consumer_factory = consumer_factory
+        self._tracer = tracer
         self._acked: set[str] = set()  # request ids the broker acknowledged (event loop only)
         self._resends: set[asyncio.Task[None]] = set()  # requests being sent again
         self._producer: Any = None
@@ -318,14 +327,15 @@ class TranslationClient:
                 continue
             loop = self._loop
             if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._resolve, record)
+                loop.call_soon_threadsafe(self._resolve, record, traceparent_of(msg.headers()))
 
-    def _resolve(self, record: dict[str, Any]) -> None:  # on the event loop
+    def _resolve(self, record: dict[str, Any], trace_parent: str | None = None) -> None:
+        # on the event loop
         fut = self._pending.pop(str(record.get("request_id", "")), None)
         if fut is None or fut.done():
             return  # another client's reply, or one that arrived after its timeout
         try:
-            fut.set_result(TranslationReply.from_record(record))
+            fut.set_result(TranslationReply.from_record(record, trace_parent))
         except (KeyError, TypeError, ValueError) as exc:
             fut.set_exception(TranslationError(f"malformed reply: {exc!r}"))
 
@@ -351,6 +361,43 @@ class TranslationClient:
         (default: deadline + grace, else `default_timeout`); past it `TranslationTimeout`.
         A non-OK reply raises `TranslationFailed` unless `raise_on_error=False`.
         """
+        if self._tracer is None:
+            return await self._translate(
+                text,
+                to,
+                src,
+                deadline,
+                timeout,
+                conversation_id,
+                model_version,
+                metadata,
+                raise_on_error,
+            )
+        with client_span(self._tracer, to):
+            return await self._translate(
+                text,
+                to,
+                src,
+                deadline,
+                timeout,
+                conversation_id,
+                model_version,
+                metadata,
+                raise_on_error,
+            )
+
+    async def _translate(
+        self,
+        text: str,
+        to: str,
+        src: str,
+        deadline: timedelta | float | None,
+        timeout: float | None,
+        conversation_id: str | None,
+        model_version: str | None,
+        metadata: Mapping[str, str] | None,
+        raise_on_error: bool | None,
+    ) -> TranslationReply:
         if self._thread is None or self._loop is None or self._producer is None:
             raise TranslationError("client not started (use `async with TranslationClient(...)`)")
         loop = self._loop
@@ -383,6 +430,7 @@ class TranslationClient:
         started = time.monotonic()
         key = (conversation_id or rid).encode()
         send = _Send(rid, topic, value, key, give_up_at=started + timeout)
+        send.headers = inject_traceparent() or None  # the current span, if any
 
         def on_delivery(err: KafkaError | None, _msg: Any) -> None:  # poll thread
             if not loop.is_closed():
@@ -417,7 +465,11 @@ class TranslationClient:
             attempts += 1
             try:
                 self._producer.produce(
-                    send.topic, value=send.value, key=send.key, on_delivery=send.on_delivery
+                    send.topic,
+                    value=send.value,
+                    key=send.key,
+                    headers=send.headers,
+                    on_delivery=send.on_delivery,
                 )
                 return
             except BufferError:

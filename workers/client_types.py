@@ -94,13 +94,14 @@ class TranslationReply:
     worker_id: str
     completed_at: int  # epoch millis
     conversation_id: str | None
+    trace_parent: str | None = None  # the worker's request span (its reply's traceparent)
 
     @property
     def ok(self) -> bool:
         return self.status == "OK"
 
     @classmethod
-    def from_record(cls, r: Mapping[str, Any]) -> TranslationReply:
+    def from_record(cls, r: Mapping[str, Any], trace_parent: str | None = None) -> TranslationReply:
         return cls(
             request_id=r["request_id"],
             status=r["status"],
@@ -116,4 +117,5 @@ class TranslationReply:
             worker_id=r["worker_id"],
             completed_at=int(r["completed_at"]),
             conversation_id=r.get("conversation_id"),
+            trace_parent=trace_parent,
         )

@@ -55,15 +55,27 @@ MISSING_TOPIC_CODES = frozenset(
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
+    """The worker's consumer. Both group protocols rebalance incrementally (the worker's
+    callbacks take and give back single partitions). Classic: cooperative-sticky, which
+    balances the number of partitions per worker but may give one worker every partition of
+    a language. KIP-848 (`group_protocol="consumer"`): the broker assigns with `range`, topic by
+    topic, so with at least as many partitions per language as workers each worker holds
+    every language; its session timeout is the broker's (`group.consumer.session.timeout.ms`)."""
+    if settings.group_protocol == "consumer":
+        group: dict[str, Any] = {"group.protocol": "consumer", "group.remote.assignor": "range"}
+    else:
+        group = {
+            "partition.assignment.strategy": "cooperative-sticky",
+            "session.timeout.ms": settings.session_timeout_ms,
+        }
     return {
         **settings.kafka_common(),
         "group.id": settings.consumer_group(),  # <group>.<arm> for an arm's worker
         "client.id": settings.worker_id,
-        "partition.assignment.strategy": "cooperative-sticky",
+        **group,
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",
-        "session.timeout.ms": settings.session_timeout_ms,
         "logger": logging.getLogger("tolk.kafka.consumer"),
     }
 

@@ -23,6 +23,8 @@ __all__ = ["WorkerMetrics"]
 # Seconds: from tens of milliseconds (cached/duplicate replies) to the minutes a backlog can take.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Seconds: a cache hit takes microseconds (L1) to a millisecond or so (L2, a Redis round trip).
+_CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 
 
 class WorkerMetrics:
@@ -203,6 +205,23 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        self.faithful_checks_total = Counter(  # workers/faithful_engine.py
+            "faithful_checks_total",
+            "First-run translations a faithfulness check found suspect, by language and check: "
+            "leak (copies a prompt example's target), ratio (length outside 0.3-3x the "
+            "source's), loop (a repeated n-gram), length_guard (stopped at the source's cap).",
+            ["lang", "check"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.faithful_outcomes_total = Counter(  # workers/faithful_engine.py
+            "faithful_outcomes_total",
+            "Suspect translations by language and outcome: retried (the retry with another "
+            "prompt form was clean and answered), flagged (answered with a flag in metadata).",
+            ["lang", "outcome"],
+            namespace=ns,
+            registry=registry,
+        )
         # -- the reply path's retry queue (workers/reply_publisher.py) --
         self.reply_retries_total = Counter(
             "reply_retries_total",
@@ -219,6 +238,132 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        # -- the exact-match translation cache (workers/cache_engine.py, workers/tm/) --
+        self.cache_hits_total = Counter(
+            "cache_hits_total",
+            "Requests answered from the translation cache, by language and tier (l1: the "
+            "worker's LRU-K, l2: Redis).",
+            ["lang", "tier"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_misses_total = Counter(
+            "cache_misses_total",
+            "Requests the cache could not answer that ran the engine, by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_joined_total = Counter(
+            "cache_joined_total",
+            "Requests that joined an identical request's engine run (single flight), by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_evictions_total = Counter(
+            "cache_evictions_total",
+            "Entries the worker's L1 cache evicted for room (LRU-K), by language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_hit_seconds = Histogram(
+            "cache_hit_seconds",
+            "Time to answer a request from the cache (key, L1, then L2), by language.",
+            ["lang"],
+            buckets=_CACHE_HIT_BUCKETS,
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_l2_degraded_total = Counter(
+            "cache_l2_degraded_total",
+            "L2 (Redis) cache calls that failed or were skipped while it is unreachable, by op "
+            "(get / put); the worker serves from L1 and the engine meanwhile.",
+            ["op"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cache_l2_up = Gauge(
+            "cache_l2_up",
+            "1 while the L2 (Redis) translation cache answers, 0 during an outage.",
+            namespace=ns,
+            registry=registry,
+        )
+
+        # -- the engine's own statistics (workers/engine/engine_snapshot.py, polled) --
+        self.engine_kv_usage = Gauge(
+            "engine_kv_cache_usage_ratio",
+            "Share of the fullest KV pool's blocks referenced by running sequences (0..1).",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_running = Gauge(
+            "engine_running_sequences",
+            "Sequences in the engine's running batch.",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_prefix_queries = Counter(
+            "engine_prefix_cache_queries_tokens_total",
+            "Prompt tokens looked up in the engine's prefix cache.",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_prefix_hits = Counter(
+            "engine_prefix_cache_hits_tokens_total",
+            "Prompt tokens served from the prefix cache (hit rate: rate of this / of queries).",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_prefix_evictions = Counter(
+            "engine_prefix_cache_evictions_total",
+            "Cached KV blocks evicted for room (LRU).",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_preemptions = Counter(
+            "engine_preemptions_total",
+            "Running sequences preempted (recomputed later) because KV blocks ran out.",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_steps = Counter(
+            "engine_steps_total", "Model steps run by the engine.", namespace=ns, registry=registry
+        )
+        self._engine_seen: dict[str, int] = {}
+
+        # -- backlog per language, read from the broker (workers/drain.py, every few seconds) --
+        self.consumer_lag = Gauge(
+            "consumer_lag",
+            "Records of the language's request topic not yet committed by the worker group "
+            "(end offsets - committed offsets, from the broker).",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.group_served_rate = Gauge(
+            "group_served_rate",
+            "Requests/s the worker group serves for the language (its committed offsets' "
+            "advance, exponentially smoothed).",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.time_to_drain_seconds = Gauge(
+            "time_to_drain_seconds",
+            "Consumer lag / served rate: seconds to clear the language's backlog (0 without "
+            "lag, +Inf with lag and no progress).",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+        )
+
+    def set_drain(self, lang: str, lag: int, rate_per_s: float, seconds: float) -> None:
+        """One language's backlog figures of a refresh (workers.drain.DrainMonitor)."""
+        self.consumer_lag.labels(lang=lang).set(lag)
+        self.group_served_rate.labels(lang=lang).set(rate_per_s)
+        self.time_to_drain_seconds.labels(lang=lang).set(seconds)
 
     def init_languages(self, languages: tuple[str, ...]) -> None:
         """Create the per-language series at zero so dashboards see them before traffic."""
@@ -251,3 +396,22 @@ class WorkerMetrics:
             self.queue_depth.labels(lang=lang).set(depth)
         backlogged = [normalized.get(g, 0.0) for g, d in depths.items() if d > 0]
         self.jain_index.set(jain_index(backlogged))
+
+    def update_engine(self, snapshot: Any) -> None:
+        """Copy an `EngineSnapshot` (workers/engine/engine_snapshot.py) into the engine metrics.
+
+        Its counters are cumulative since the engine was built; each Prometheus counter grows by
+        the increase since the last snapshot (a smaller value, a new engine, counts from 0)."""
+        self.engine_kv_usage.set(snapshot.kv_usage)
+        self.engine_running.set(snapshot.running)
+        for name, counter in (
+            ("prefix_queries_tokens", self.engine_prefix_queries),
+            ("prefix_hit_tokens", self.engine_prefix_hits),
+            ("prefix_evictions", self.engine_prefix_evictions),
+            ("preemptions", self.engine_preemptions),
+            ("steps", self.engine_steps),
+        ):
+            value = int(getattr(snapshot, name))
+            last = self._engine_seen.get(name, 0)
+            counter.inc(value - last if value >= last else value)
+            self._engine_seen[name] = value

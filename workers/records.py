@@ -30,6 +30,8 @@ class ConsumedRecord:
     broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
     request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
     generation: int = 0  # the partition's assignment generation when the record was taken
+    trace_parent: str | None = None  # its W3C traceparent header (read with tracing on)
+    taken_ns: int = 0  # epoch ns when the worker took it from the consumer (tracing)
 
     @property
     def request_id(self) -> str:

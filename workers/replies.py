@@ -131,10 +131,11 @@ def engine_reply(
 
 def _reply_metadata(result: GenerationResult) -> Mapping[str, str]:
     """The result's notes, plus `tolk.finish_reason: length` when generation stopped at its
-    token cap: a truncated translation is said so in the reply, never silently."""
+    token cap: a truncated translation is said so in the reply, never silently. A finer reason
+    a wrapper put in the notes (`length_guard`, workers/faithful_engine.py) is kept."""
     if result.finish_reason is not FinishReason.LENGTH:
         return result.notes
-    return {**result.notes, FINISH_REASON_KEY: FinishReason.LENGTH.value}
+    return {FINISH_REASON_KEY: FinishReason.LENGTH.value, **result.notes}
 
 
 def plain_reply(

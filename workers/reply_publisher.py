@@ -81,6 +81,7 @@ from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
 from workers.results_store import ResultStore, ResultStoreError
+from workers.tracing import RequestTrace, RequestTracer, request_trace
 
 __all__ = [
     "DEFAULT_REPLY_ATTEMPTS",
@@ -143,6 +144,8 @@ class _Outgoing:
     detail: str = ""  # ... and the exception's text
     slim: bool = False  # a dead letter already sent without the original bytes
     then: _Outgoing | None = None  # sent once this one is delivered; the offset waits for it
+    headers: list[tuple[str, bytes]] | None = None  # a reply's traceparent (tracing on)
+    trace: tuple[Any, RequestTrace] | None = None  # its open request span, ended on delivery
 
 
 class ReplyPublisher:
@@ -163,6 +166,7 @@ class ReplyPublisher:
         reply_attempts: int = DEFAULT_REPLY_ATTEMPTS,
         monotonic: Callable[[], float] = time.monotonic,
         plain_model_version: str = "",
+        tracer: RequestTracer | None = None,
     ) -> None:
         if reply_attempts < 1:
             raise ValueError(f"reply_attempts must be >= 1, got {reply_attempts!r}")
@@ -177,6 +181,7 @@ class ReplyPublisher:
         self._now_ms = clock_ms
         self._monotonic = monotonic  # the retry queue's clock (that of retry_due's argument)
         self._plain_model_version = plain_model_version  # replies without engine: "" or "@arm"
+        self._tracer = tracer  # records each reply's spans (workers/tracing.py); None = off
         self._producer: Any = None
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
@@ -188,6 +193,11 @@ class ReplyPublisher:
     def attach(self, producer: Any) -> None:
         """Use `producer` (a confluent-kafka `Producer`, idempotent) from now on."""
         self._producer = producer
+
+    @property
+    def tracing(self) -> bool:
+        """Whether replies carry and record request spans (workers/tracing.py)."""
+        return self._tracer is not None
 
     def pending_reply(self, request_id: str) -> bytes | None:
         """The reply produced for `request_id` whose delivery is still pending (in the producer
@@ -241,7 +251,7 @@ class ReplyPublisher:
             m.observe_slo(lang, timings["total_ms"] / 1e3, slo_s)
         value = encode_result(reply)
         for i, rec in enumerate(inflight.records):
-            self.produce_reply(rec, value, store=(i == 0))
+            self.produce_reply(rec, value, store=(i == 0), engine=(inflight, result), status=status)
 
     def answer_without_engine(
         self, rec: ConsumedRecord, status: str, reason: str, error: str
@@ -262,17 +272,32 @@ class ReplyPublisher:
         self.metrics.e2e_latency_seconds.labels(lang=rec.lang).observe(
             broker_to_now_ms(rec, now_ms) / 1e3
         )
-        self.produce_reply(rec, encode_result(reply), store=True)
+        self.produce_reply(rec, encode_result(reply), store=True, status=status)
 
-    def produce_reply(self, rec: ConsumedRecord, value: bytes, *, store: bool) -> None:
+    def produce_reply(
+        self,
+        rec: ConsumedRecord,
+        value: bytes,
+        *,
+        store: bool,
+        engine: tuple[InFlight, GenerationResult] | None = None,
+        status: str = "",
+    ) -> None:
         """Produce `value` to the request's reply topic. On delivery: store it (when `store`;
         a reply answered from the store is not stored again) and mark the record done; on
-        failure: retried, or a dead letter instead (see the module docstring)."""
+        failure: retried, or a dead letter instead (see the module docstring). With tracing
+        on, the reply carries its request span, recorded on delivery (`engine`: the run that
+        made it, for the queue / prefill / decode spans)."""
         rid = rec.request_id
         topic = str(rec.request.get("reply_topic", ""))
         if store:
             self._answered[rid] = value
-        self._send(_Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store))
+        entry = _Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store)
+        if self._tracer is not None:
+            req = request_trace(rec, engine, status)
+            span, entry.headers = self._tracer.reply_headers(req)
+            entry.trace = (span, req)
+        self._send(entry)
 
     def _store(self, rec: ConsumedRecord, value: bytes) -> None:
         try:
@@ -372,6 +397,7 @@ class ReplyPublisher:
                 entry.value,
                 on_delivery,
                 1 if self._queue_full else queue_full_attempts,
+                entry.headers,
             )
         except Exception as exc:
             code = _error_code(exc)
@@ -383,6 +409,7 @@ class ReplyPublisher:
     def _delivered(self, entry: _Outgoing) -> None:
         self._retrying.discard(entry)
         self._update_retry_gauge()
+        self._end_trace(entry, "")
         rec = entry.rec
         if entry.kind == "reply" and entry.store:
             self._answered.pop(rec.request_id, None)
@@ -434,9 +461,17 @@ class ReplyPublisher:
         )
         self._schedule(entry)
 
+    def _end_trace(self, entry: _Outgoing, failure: str) -> None:
+        if self._tracer is not None and entry.trace is not None:
+            (span, req), entry.trace = entry.trace, None
+            if failure:
+                req.status = failure
+            self._tracer.finish(span, req, time.time_ns())
+
     def _give_up_reply(self, entry: _Outgoing, reason: str, why: str) -> None:
         self._retrying.discard(entry)
         self._update_retry_gauge()
+        self._end_trace(entry, reason)
         if entry.store:
             self._answered.pop(entry.rec.request_id, None)
         self.dead_letter(entry.rec, reason, why)
@@ -470,6 +505,7 @@ class ReplyPublisher:
         value: bytes,
         on_delivery: Callable[[KafkaError | None, Any], None],
         queue_full_attempts: int,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
         if self._producer is None:
             raise KafkaException(KafkaError(KafkaError._STATE, "no producer attached"))
@@ -477,7 +513,9 @@ class ReplyPublisher:
             if attempt:
                 self._producer.poll(0.1)  # local queue full: serve delivery reports, retry
             try:
-                self._producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+                self._producer.produce(
+                    topic, value=value, key=key, headers=headers, on_delivery=on_delivery
+                )
             except BufferError:
                 continue
             self._queue_full = False

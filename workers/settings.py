@@ -15,6 +15,11 @@ Environment variables (all optional):
     TOLK_MODEL                model name for the engine        gemma3-270m
     TOLK_MAX_TEXT_BYTES       larger texts are REJECTED        100000
     TOLK_METRICS_PORT         Prometheus port (0 = off)        9400
+    TOLK_HEALTH_PORT          /readyz and /livez probes (0 = off; workers/health.py)  8081
+    TOLK_LIVENESS_STALL_S     /livez fails when the engine loop made no progress for this
+                              long while requests are in flight                       120
+    TOLK_DRAIN_REFRESH_S      consumer lag / time to drain read from the broker every
+                              this many seconds (0 = off; workers/drain.py)           5
     TOLK_WORKER_ID            on every reply                   <hostname>-<pid>
     TOLK_POLICIES             lang:weight:slo[:max_queue[:max_new_tokens]],...  (merged over
                               workers.fairness.policy.DEFAULT_POLICIES)
@@ -27,6 +32,9 @@ Environment variables (all optional):
     TOLK_STORE_TIMEOUT_S      redis connect / read timeout     0.3
     TOLK_REPLY_ATTEMPTS       deliveries of a reply tried before it is dead-lettered  5
     TOLK_DELIVERY_TIMEOUT_MS  producer message.timeout.ms      30000
+    TOLK_CACHE                exact-match translation cache (workers/cache_engine.py); 0 = off  1
+    TOLK_CACHE_L1_ENTRIES     L1 (in the worker) entries, shared equally by the languages  20000
+    TOLK_CACHE_TTL            L2 (redis) TTL tiers, lang:seconds,...,*:seconds   *:86400
     TOLK_SECURITY_PROTOCOL / TOLK_SASL_MECHANISM / TOLK_SASL_USERNAME / TOLK_SASL_PASSWORD
     TOLK_SSL_CA_LOCATION      CA file that signed the broker certificate (SSL / SASL_SSL)
     TOLK_SSL_ENDPOINT_IDENTIFICATION  0 = do not check the broker's host name (default: check)
@@ -52,6 +60,7 @@ from workers.fairness.policy import (
     parse_policies,
 )
 from workers.redaction import mask_url, with_password
+from workers.tm.redis_cache import TtlTiers, parse_ttl_tiers
 
 __all__ = ["Settings", "default_worker_id"]
 
@@ -76,6 +85,9 @@ class Settings:
     model: str = "gemma3-270m"  # model name the CLI hands to the engine loader
     max_text_bytes: int = 100_000  # UTF-8 size above which a request is REJECTED
     metrics_port: int = 9400  # Prometheus HTTP port; 0 = no HTTP server
+    health_port: int = 8081  # /readyz and /livez (workers/health.py); 0 = no probe server
+    liveness_stall_s: float = 120.0  # engine loop silent this long with work: not live
+    drain_refresh_s: float = 5.0  # lag / time-to-drain refresh (workers/drain.py); 0 = off
     worker_id: str = field(default_factory=default_worker_id)  # goes on every reply
     policies: Mapping[str, LanguagePolicy] = field(
         default_factory=lambda: _frozen_policies(DEFAULT_POLICIES)
@@ -92,7 +104,12 @@ class Settings:
     drain_timeout_s: float = 30.0  # on shutdown, wait this long for in-flight requests
     max_attempts: int = 3  # engine runs of a request whose run fails (ERROR) before "poison"
     store_timeout_s: float = 0.3  # redis connect/read timeout: an outage never stalls the loop
-    session_timeout_ms: int = 45_000  # consumer group session timeout
+    session_timeout_ms: int = 45_000  # consumer group session timeout (classic protocol)
+    # "classic": client-side cooperative-sticky assignment; "consumer": KIP-848, the broker's
+    # `range` assignor, which gives every worker partitions of every language topic (the
+    # condition of fair share across workers, workers/serving/group_fairness.py)
+    group_protocol: str = "classic"
+    tracing: str = "off"  # "otlp": OpenTelemetry spans per request (workers/tracing.py)
     topic_check_ttl_s: float = 30.0  # how long a reply-topic existence check is trusted
     reply_attempts: int = 5  # deliveries of a reply tried (with backoff) before a dead letter
     delivery_timeout_ms: int = 30_000  # producer message.timeout.ms (librdkafka's 300 s: long)
@@ -102,6 +119,9 @@ class Settings:
     sasl_password: str = field(default="", repr=False)  # secret: never in repr or logs
     ssl_ca_location: str = ""  # CA certificate file for SSL / SASL_SSL ("" = system CAs)
     ssl_endpoint_identification: bool = True  # verify the broker certificate's host name
+    cache_enabled: bool = True  # exact-match translation cache in front of the engine
+    cache_l1_entries: int = 20_000  # L1 capacity, all languages together
+    cache_ttl: TtlTiers = field(default_factory=lambda: parse_ttl_tiers(""))  # L2 TTL per lang
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -116,14 +136,26 @@ class Settings:
             raise ValueError(f"reply_attempts must be >= 1, got {self.reply_attempts!r}")
         if self.delivery_timeout_ms < 100:
             raise ValueError(f"delivery_timeout_ms must be >= 100: {self.delivery_timeout_ms!r}")
+        if self.tracing not in ("off", "otlp"):
+            raise ValueError(f"tracing must be off or otlp, got {self.tracing!r}")
+        if self.group_protocol not in ("classic", "consumer"):
+            raise ValueError(f"group_protocol must be classic or consumer: {self.group_protocol!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if not self.store_timeout_s > 0:
             raise ValueError(f"store_timeout_s must be > 0, got {self.store_timeout_s!r}")
         if self.burst_tokens < 0:
             raise ValueError(f"burst_tokens must be >= 0, got {self.burst_tokens!r}")
+        if self.cache_l1_entries < 1:
+            raise ValueError(f"cache_l1_entries must be >= 1, got {self.cache_l1_entries!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port out of range: {self.health_port!r}")
+        if not self.liveness_stall_s > 0:
+            raise ValueError(f"liveness_stall_s must be > 0, got {self.liveness_stall_s!r}")
+        if self.drain_refresh_s < 0:
+            raise ValueError(f"drain_refresh_s must be >= 0, got {self.drain_refresh_s!r}")
         if not isinstance(self.policies, MappingProxyType):
             object.__setattr__(self, "policies", _frozen_policies(self.policies))
 
@@ -195,6 +227,8 @@ class Settings:
             "MODEL": "model",
             "WORKER_ID": "worker_id",
             "TOPIC_PREFIX": "topic_prefix",
+            "GROUP_PROTOCOL": "group_protocol",
+            "TRACING": "tracing",
             "SECURITY_PROTOCOL": "security_protocol",
             "SASL_MECHANISM": "sasl_mechanism",
             "SASL_USERNAME": "sasl_username",
@@ -208,6 +242,7 @@ class Settings:
         int_fields = {
             "MAX_TEXT_BYTES": "max_text_bytes",
             "METRICS_PORT": "metrics_port",
+            "HEALTH_PORT": "health_port",
             "RESULT_TTL_S": "result_ttl_s",
             "MAX_IN_FLIGHT": "max_in_flight",
             "BURST_TOKENS": "burst_tokens",
@@ -229,12 +264,35 @@ class Settings:
             except ValueError:
                 bad = f"TOLK_STORE_TIMEOUT_S={store_timeout!r} is not a number"
                 raise ValueError(bad) from None
+        for env_name, attr in (
+            ("LIVENESS_STALL_S", "liveness_stall_s"),
+            ("DRAIN_REFRESH_S", "drain_refresh_s"),
+        ):
+            value = get(env_name)
+            if value is not None:
+                try:
+                    kw[attr] = float(value)
+                except ValueError:
+                    raise ValueError(f"TOLK_{env_name}={value!r} is not a number") from None
         drain = get("DRAIN_TIMEOUT_S")
         if drain is not None:
             try:
                 kw["drain_timeout_s"] = float(drain)
             except ValueError:
                 raise ValueError(f"TOLK_DRAIN_TIMEOUT_S={drain!r} is not a number") from None
+        cache = get("CACHE")
+        if cache is not None:
+            kw["cache_enabled"] = cache.lower() not in ("0", "false", "no", "off")
+        l1_entries = get("CACHE_L1_ENTRIES")
+        if l1_entries is not None:
+            try:
+                kw["cache_l1_entries"] = int(l1_entries)
+            except ValueError:
+                bad = f"TOLK_CACHE_L1_ENTRIES={l1_entries!r} is not an integer"
+                raise ValueError(bad) from None
+        ttl_spec = get("CACHE_TTL")
+        if ttl_spec is not None:
+            kw["cache_ttl"] = parse_ttl_tiers(ttl_spec)
         verify = get("SSL_ENDPOINT_IDENTIFICATION")
         if verify is not None:
             kw["ssl_endpoint_identification"] = verify.lower() not in ("0", "false", "no", "none")

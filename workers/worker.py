@@ -65,9 +65,11 @@ from schemas.codec import SchemaError, decode_request
 from topics.catalog import DEAD_LETTERS, request_topic
 from workers.arm_control import ShareSource
 from workers.arm_routing import ArmRouter, ArmScopedStore
+from workers.drain import start_drain_monitor
 from workers.engine.types import TranslationEngine
 from workers.engine_runs import EngineRuns
 from workers.fairness.intake import IntakeController
+from workers.health import WorkerProbes, start_health_server
 from workers.kafka_config import ReplyTopicChecker, consumer_config, producer_config
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
@@ -82,9 +84,14 @@ from workers.results_store import (
     ResultStoreError,
 )
 from workers.settings import Settings
+from workers.tracing import request_tracer, traceparent_of
 from workers.validation import validate_request
 
 __all__ = ["STATUS_OF", "Worker", "consumer_config", "producer_config"]
+
+# The poll's wait while requests are in the engine: their results become replies only between
+# polls, so this bounds the delay a finished request (or a cache hit) waits for its reply.
+BUSY_POLL_S = 0.002
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,7 @@ class Worker:
         registry: CollectorRegistry | None = None,
         clock_ms: Callable[[], int] | None = None,
         arm_shares: ShareSource | None = None,  # an arm's share table (default: control topic)
+        tracer_provider: Any = None,  # OpenTelemetry; default: per Settings.tracing (tracing.py)
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -155,7 +163,9 @@ class Worker:
             reply_attempts=settings.reply_attempts,
             clock_ms=self._now_ms,
             plain_model_version=self.arms.model_version("") if self.arms else "",
+            tracer=request_tracer(settings, tracer_provider),
         )
+        self._tracing = self.publisher.tracing
         self.runs = EngineRuns(  # the requests in the engine: submit, results, retries
             engine,
             settings,
@@ -169,6 +179,7 @@ class Worker:
         self._last_gauges = 0.0
         self._stop_event = threading.Event()
         self.assigned_event = threading.Event()  # set once the first assignment arrived
+        self.subscribed_event = threading.Event()  # engine started, consumer subscribed
         self.stopped_event = threading.Event()  # set when run() has returned
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -180,6 +191,9 @@ class Worker:
         self._stop_event = stop
         restore = install_stop_signals(stop)
         http_server = start_metrics_server(self.settings.metrics_port, self.registry)
+        probes = WorkerProbes(self, self.settings.liveness_stall_s)  # workers/health.py
+        health_server = start_health_server(self.settings.health_port, probes)
+        drain_monitor = start_drain_monitor(self.settings, self.topic_lang, self.metrics)
         try:
             self.engine.start()
             self._consumer = self._consumer_factory(consumer_config(self.settings))
@@ -193,6 +207,7 @@ class Worker:
                 on_revoke=self._on_revoke,
                 on_lost=self._on_lost,
             )
+            self.subscribed_event.set()
             log.info("worker %s consuming %s", self.settings.worker_id, sorted(self.topic_lang))
             while not stop.is_set() and not self._crash:
                 self._iteration()
@@ -206,7 +221,11 @@ class Worker:
                 self.arms.stop()
             if http_server is not None:
                 http_server.shutdown()
+            if drain_monitor is not None:
+                drain_monitor.stop()
             self.stopped_event.set()
+            if health_server is not None:
+                health_server.shutdown()
 
     def run_in_thread(self, stop_event: threading.Event | None = None) -> threading.Thread:
         """Start `run()` on a daemon thread (tests, embedding); `stop()` ends it."""
@@ -233,10 +252,7 @@ class Worker:
 
     def _iteration(self) -> None:
         try:
-            msgs = self._consumer.consume(
-                num_messages=self.settings.max_poll_records,
-                timeout=self.settings.poll_timeout_s,
-            )
+            msgs = self._consume()
             if msgs:
                 self.metrics.batch_size.observe(len(msgs))
                 self._handle_batch(msgs)
@@ -256,6 +272,26 @@ class Worker:
         except Exception:
             log.exception("worker loop: unexpected error (continuing)")
             time.sleep(0.05)
+
+    def _consume(self) -> list[Any]:
+        """The records ready now, else wait for the first one. `consume(n, timeout)` returns
+        only when it has n records or the timeout passed, so one call would hold a lone record
+        (a cache hit answered in microseconds) for the whole poll timeout. Instead: take what
+        is buffered without waiting; if nothing is, wait for one record (it returns as soon as
+        one arrives) and then take what came with it. The wait is `poll_timeout_s` when idle
+        and `BUSY_POLL_S` while requests are in the engine, whose results this loop turns
+        into replies between polls."""
+        consumer, most = self._consumer, self.settings.max_poll_records
+        msgs = consumer.consume(num_messages=most, timeout=0)
+        if msgs:
+            return list(msgs)
+        wait = self.settings.poll_timeout_s
+        if self._inflight:
+            wait = min(wait, BUSY_POLL_S)
+        first = consumer.consume(num_messages=1, timeout=wait)
+        if not first or most <= 1:
+            return list(first or [])
+        return [*first, *consumer.consume(num_messages=most - 1, timeout=0)]
 
     def _shutdown(self) -> None:
         log.info("worker %s draining %d in-flight", self.settings.worker_id, len(self._inflight))
@@ -324,6 +360,9 @@ class Worker:
                 broker_ts_ms=ts if ts_type and ts > 0 else self._now_ms(),
                 generation=self.partitions.generation(tp),
             )
+            if self._tracing:
+                rec.trace_parent = traceparent_of(msg.headers())
+                rec.taken_ns = time.time_ns()
             try:
                 if self._decode_and_route(rec):
                     ready.append(rec)
@@ -482,12 +521,24 @@ class Worker:
         snapshot = getattr(self.engine, "queue_snapshot", None)  # FairEngine: its queue's ledger
         if callable(snapshot):  # one frozen copy, taken under the engine's queue lock
             self.metrics.update_fairness(snapshot())
+        engine_stats = getattr(self.engine, "stats_snapshot", None)  # Engine / FairEngine
+        if callable(engine_stats):  # KV use, prefix hits, preemptions (engine_snapshot.py)
+            self.metrics.update_engine(engine_stats())
         self.publisher.update_token_rate(now)
 
     # -- introspection (tests, health) ---------------------------------------------------------
 
     def in_flight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: intake paused, in-flight requests finishing (readiness: false)."""
+        return self._draining
+
+    @property
+    def served_languages(self) -> tuple[str, ...]:
+        return self.settings.languages
 
     def stats(self) -> Mapping[str, Any]:
         return {

@@ -2,8 +2,8 @@
 
 The private Kafka + redis they run against is `tests.faults.private_stack.PrivateStack`.
 
-* `WorkerProcess`: a real worker process (`tests/faults/worker_main.py`, the fake engine), so
-  SIGKILL is a real kill.
+* `WorkerProcess`: a real worker process (`tests/faults/worker_main.py`: the fake engine or a
+  real model), so SIGKILL is a real kill.
 * `LoadGenerator`: an open-loop producer thread (a fixed schedule, latency measured from the
   scheduled send time, not from when a slow send got out: no coordinated omission) of valid
   Avro requests; it records each request's partition and offset from its delivery report.

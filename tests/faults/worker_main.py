@@ -1,15 +1,19 @@
-"""The worker process of the fault tests: `workers.worker.Worker` around the fake engine.
+"""The worker process of the fault and scale-out tests: `workers.worker.Worker` in a process.
 
 Run as ``python -m tests.faults.worker_main '<json>'`` from the repository root (the harness's
 `WorkerProcess` does). It is a real process, so the tests can SIGKILL it: no `finally`, no
 flush, no commit, no leaving the group. The engine is `tests.workers.fakes.FakeEngine` with a
 small delay per batch, so requests are in flight when a fault hits, without a model's start-up
-cost or CPU time (the machine running the suite has two cores).
+cost or CPU time (the machine running the suite has two cores); or, with `model`, the real
+engine on that preset (float32 on CPU, warmed before the worker starts).
 
 Arguments (one JSON object): bootstrap, redis, group, languages, prefix, worker_id, delay_s,
 session_timeout_ms, metrics_port (0 = none), group_instance_id (optional: static membership,
 so a restarted process takes its partitions back at once instead of after the dead member's
-session timeout) and settings (extra `Settings` fields; an unknown one is an error).
+session timeout), model, max_new_tokens and pack_weights (optional: the real engine, e.g.
+"smollm2-135m", its output cap, default 32, and whether it probes and packs its projection
+GEMMs, default true) and settings (extra `Settings` fields; an unknown one is an
+error).
 
 The process prints ``ASSIGNED`` on stdout once its first partitions are assigned and runs the
 worker on its main thread (SIGTERM drains and exits 0).
@@ -27,6 +31,7 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from tests.workers.fakes import FAKE_LANGUAGES, FakeEngine
+from workers.engine.types import TranslationEngine
 from workers.fairness.policy import LanguagePolicy
 from workers.settings import Settings
 from workers.worker import Worker
@@ -49,7 +54,10 @@ def build_settings(args: dict[str, Any]) -> Settings:
         worker_id=args["worker_id"],
         session_timeout_ms=int(args.get("session_timeout_ms", 6000)),
         drain_timeout_s=5.0,
-        policies={lang: LanguagePolicy(1.0, 30.0, 512, 32) for lang in langs},
+        policies={
+            lang: LanguagePolicy(1.0, 30.0, 512, int(args.get("max_new_tokens", 32)))
+            for lang in langs
+        },
         **extra,
     )
 
@@ -68,8 +76,23 @@ def main(argv: list[str]) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     settings = build_settings(args)
-    langs = tuple(dict.fromkeys((*FAKE_LANGUAGES, *settings.languages)))
-    engine = FakeEngine(languages=langs, delay_s=float(args.get("delay_s", 0.05)))
+    engine: TranslationEngine
+    if args.get("model"):
+        from workers.engine.engine import Engine, EngineConfig
+
+        real = Engine.from_config(
+            EngineConfig(
+                model=args["model"],
+                kv_cache_tokens=8192,
+                max_new_tokens=int(args.get("max_new_tokens", 32)),
+                pack_weights=bool(args.get("pack_weights", True)),
+            )
+        )
+        real.warm(settings.languages)
+        engine = real
+    else:
+        langs = tuple(dict.fromkeys((*FAKE_LANGUAGES, *settings.languages)))
+        engine = FakeEngine(languages=langs, delay_s=float(args.get("delay_s", 0.05)))
     worker = Worker(
         settings, engine, consumer_factory=consumer_factory(args.get("group_instance_id"))
     )

@@ -34,6 +34,7 @@ def test_catalog_declares_every_topic_in_order():
         REPLIES,
         DEAD_LETTERS,
         ARM_CONTROL,
+        "tolk.rollout.events",
     ]
     by_name = {s.name: s for s in specs}
     assert by_name["tolk.requests.de"].partitions == 6
@@ -76,6 +77,7 @@ def test_prefix_goes_in_front_of_every_name():
         "t-123.tolk.replies",
         "t-123.tolk.dead-letters",
         "t-123.tolk.control.arms",
+        "t-123.tolk.rollout.events",
     ]
     assert request_topic("fr", "x.") == "x.tolk.requests.fr"
     assert language_of("x.tolk.requests.fr", "x.") == "fr"
@@ -89,3 +91,10 @@ def test_arm_control_topic_is_compacted_with_one_partition():
     assert spec.config["cleanup.policy"] == "compact"  # the latest entry per language stays
     assert "retention.ms" not in spec.config
     assert spec.value_schema == ARM_SHARES
+
+
+def test_rollout_events_topic_keeps_one_order_for_a_month():
+    spec = {s.name: s for s in catalog(["de"], partitions=6)}["tolk.rollout.events"]
+    assert spec.partitions == 1  # a rollout's history in one order
+    assert spec.value_schema == "tolk.RolloutEvent"
+    assert spec.config["retention.ms"] == str(30 * 24 * 3600 * 1000)

@@ -449,6 +449,7 @@ class FakeProducer:
         value: bytes | None = None,
         key: bytes | None = None,
         on_delivery: Any = None,
+        headers: Any = None,
     ) -> None:
         err = self.fail_next.pop(topic, None)
         if err is None and topic not in self.broker.topics:

@@ -42,6 +42,9 @@ class _Msg:
     def error(self) -> None:
         return None
 
+    def headers(self) -> None:
+        return None
+
 
 def _reply_to(request_bytes: bytes) -> bytes:
     req = decode_request(request_bytes)
@@ -98,7 +101,9 @@ class FakeProducer:
     def __init__(self, world: FakeWorld) -> None:
         self.world = world
 
-    def produce(self, topic: str, value: bytes, key: bytes, on_delivery: Any) -> None:
+    def produce(
+        self, topic: str, value: bytes, key: bytes, on_delivery: Any, headers: Any = None
+    ) -> None:
         w = self.world
         with w.lock:
             w.produce_calls += 1

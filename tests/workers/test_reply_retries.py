@@ -62,7 +62,12 @@ class FlakyProducer(FakeProducer):
         self.produced: list[str] = []  # topics, one per produce() call that was accepted
 
     def produce(
-        self, topic: str, value: Any = None, key: Any = None, on_delivery: Any = None
+        self,
+        topic: str,
+        value: Any = None,
+        key: Any = None,
+        on_delivery: Any = None,
+        headers: Any = None,
     ) -> None:
         raising = self.raise_on_produce.get(topic)
         if raising:

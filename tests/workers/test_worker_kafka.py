@@ -121,8 +121,9 @@ def env(kafka_bootstrap: str, redis_url: str) -> Iterator[Env]:  # noqa: F811
     e.close()
 
 
-def test_200_requests_get_exactly_one_reply_each(env: Env) -> None:
-    worker = env.start_worker()
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
+def test_200_requests_get_exactly_one_reply_each(env: Env, group_protocol: str) -> None:
+    worker = env.start_worker(group_protocol=group_protocol)
     expected: dict[str, str] = {}
     run = uuid.uuid4().hex[:8]
     for i in range(200):

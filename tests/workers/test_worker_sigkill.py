@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,39 +38,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]
 
 LANGS = ("de", "fr", "es", "it")
 N_REQUESTS = 150
-
-# The worker process: real engine, runs on its main thread (SIGTERM drains), prints one line
-# when its first partitions are assigned.
-CHILD = r"""
-import json, sys, threading
-from workers.engine.engine import Engine, EngineConfig
-from workers.fairness.policy import LanguagePolicy
-from workers.settings import Settings
-from workers.worker import Worker
-
-a = json.loads(sys.argv[1])
-langs = tuple(a["languages"])
-settings = Settings(
-    bootstrap=a["bootstrap"], redis_url=a["redis"], group_id=a["group"], languages=langs,
-    topic_prefix=a["prefix"], metrics_port=0, worker_id=a["worker_id"],
-    session_timeout_ms=6000, drain_timeout_s=10.0,
-    policies={l: LanguagePolicy(1.0, 10.0, 256, a["max_new_tokens"]) for l in langs},
-)
-engine = Engine.from_config(EngineConfig(
-    model="smollm2-135m", kv_cache_tokens=8192, max_new_tokens=a["max_new_tokens"]))
-engine.warm(langs)
-worker = Worker(settings, engine)
-
-def ready():
-    worker.assigned_event.wait()
-    print("ASSIGNED", flush=True)
-
-threading.Thread(target=ready, daemon=True).start()
-worker.run()
-"""
-
-
-CHILD_COMMAND = (sys.executable, "-c", CHILD)
 
 
 @pytest.fixture
@@ -97,11 +63,13 @@ def test_sigkill_under_load_then_restart_loses_nothing(
         "group": f"tolk-test-{uuid.uuid4().hex[:10]}",
         "languages": list(LANGS),
         "prefix": prefix,
+        "model": "smollm2-135m",
         "max_new_tokens": 8,
+        "session_timeout_ms": 6000,
     }
     replies = TopicReader(kafka_bootstrap, prefix + REPLIES)
     try:
-        first = WorkerProcess({**args, "worker_id": "first"}, tmp_path / "first.log", CHILD_COMMAND)
+        first = WorkerProcess({**args, "worker_id": "first"}, tmp_path / "first.log")
         procs.append(first)
         first.wait_assigned(180)
 
@@ -135,9 +103,7 @@ def test_sigkill_under_load_then_restart_loses_nothing(
         seen_at_kill = len(replies)
         assert first.proc.returncode == -signal.SIGKILL
 
-        second = WorkerProcess(
-            {**args, "worker_id": "second"}, tmp_path / "second.log", CHILD_COMMAND
-        )
+        second = WorkerProcess({**args, "worker_id": "second"}, tmp_path / "second.log")
         procs.append(second)
         second.wait_assigned(180)  # after the dead member's session timeout (6 s)
 

@@ -45,6 +45,7 @@ import torch
 from kernels.attention import AttentionMetadata
 from workers.engine.compiled import CompiledDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
+from workers.engine.engine_snapshot import EngineSnapshot, snapshot_engine
 from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
@@ -127,7 +128,11 @@ class Engine:
             admission,
         )
         self.prompts = PromptBuilder(
-            self.tokenizer, mc.arch, mc.bos_token_id, set(mc.eos_token_ids)
+            self.tokenizer,
+            mc.arch,
+            mc.bos_token_id,
+            set(mc.eos_token_ids),
+            form=self.config.prompt_form,
         )
         self.model_version = self.config.model_version or loaded.name
         self.languages = self.prompts.languages
@@ -141,6 +146,9 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Read by the worker's probes (workers/health.py), written by one thread each:
+        self.loop_heartbeat: float | None = None  # monotonic time the loop last came round
+        self.warmed_languages: set[str] = set()  # languages whose prompt prefix warm() cached
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
@@ -179,6 +187,7 @@ class Engine:
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        prompt_form: str | None = None,
     ) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
         return self.submit(
@@ -189,6 +198,7 @@ class Engine:
                 request_id=request_id,
                 deadline=deadline,
                 max_new_tokens=max_new_tokens,
+                prompt_form=prompt_form,
             )
         )
 
@@ -202,8 +212,11 @@ class Engine:
         deadline: float | None = None,
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
+        prompt_form: str | None = None,
     ) -> GenerationRequest:
-        ids, _ = self.prompts.build(text, source_lang, target_lang)
+        """`prompt_form`: a form of prompts.json (None: the engine's default form); the
+        faithfulness wrapper retries a suspect translation with the template's retry form."""
+        ids, _ = self.prompts.build(text, source_lang, target_lang, prompt_form)
         stop_nl = self.prompts.stop_rules.stop_at_newline and not ignore_eos
         params = SamplingParams(
             max_new_tokens=max_new_tokens or self.config.max_new_tokens,
@@ -221,6 +234,11 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stats_snapshot(self) -> EngineSnapshot:
+        """KV use, prefix-cache hits, preemptions... at one instant, from any thread (the
+        worker exports it: workers/engine/engine_snapshot.py)."""
+        return snapshot_engine(self)
 
     # -- the loop --------------------------------------------------------------------------
     def start(self) -> None:
@@ -249,6 +267,7 @@ class Engine:
     def _loop(self, n_threads: int) -> None:
         use_threads(n_threads)
         while not self._stop.is_set():
+            self.loop_heartbeat = time.monotonic()  # a step that never returns stops this
             if not self._drain_inbox() and not self.scheduler.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -299,6 +318,7 @@ class Engine:
             rid = f"warm-{lang}-{uuid.uuid4().hex[:8]}"
             reqs.append(GenerationRequest(rid, ids, SamplingParams(max_new_tokens=1)))
         self.generate(reqs)
+        self.warmed_languages.update(languages)
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()

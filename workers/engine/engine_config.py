@@ -40,6 +40,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     share_partial_blocks: bool = True  # prefix hits may end inside a block (copied slots)
     max_new_tokens: int = 256  # default cap of a translation's output
+    # prompts.json form of every translation prompt (None: the template's default_form); a
+    # request may name another (Engine.translation_request(prompt_form=))
+    prompt_form: str | None = None
     warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
     model_version: str = ""  # the A/B arm name on replies; default: model name
 

@@ -6,6 +6,15 @@ i.e. instructions plus few-shot examples, depends only on the *target* language,
 per-language topic has one prompt prefix whose KV blocks the prefix cache shares across all of
 its requests (and the engine warms at start-up).
 
+A *prompt form* (`forms` in the JSON) says which named example set the prefix shows, how many
+of its examples, and which instruction line: `support8` (the form before issue #18, whose
+"Thank you for your patience ..." example Gemma 3 copied as the translation of "Thanks"),
+`short_mix8` (short chat turns among the sentences), `zero_shot` (no examples), ... Each
+template has a default form and a retry form (`default_form`, `retry_form`): the faithfulness
+wrapper (`workers/faithful_engine.py`) retries a suspect translation once with the retry form.
+`build(..., form=)` takes any form; each (form, target language) prefix is cached apart.
+docs/PROMPTS.md has the measured comparison that chose the defaults.
+
 Prefix and query are tokenized separately and concatenated, so the prefix's token ids are the
 same for every request whatever text follows (a joint tokenization could merge tokens across the
 boundary and break sharing).
@@ -13,6 +22,7 @@ boundary and break sharing).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -39,6 +49,27 @@ def _templates() -> dict[str, Any]:
     return data
 
 
+@cache
+def prompt_set_version() -> str:
+    """The prompt set's version: a hash of `prompts.json` (templates, examples, stop rules).
+    The exact-match translation cache keys on it (workers/tm/cache_key.py), so editing the
+    prompt set retires every cached translation."""
+    data = resources.files("workers.engine").joinpath("prompts.json").read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def prompt_examples() -> list[dict[str, str]]:
+    """Every few-shot example of every set (language -> text): what a translation must not copy
+    unless its source is that example's source (`workers.faithful.leaked_example`)."""
+    sets: dict[str, list[dict[str, str]]] = _templates()["example_sets"]
+    return [dict(example) for examples in sets.values() for example in examples]
+
+
+def prompt_forms() -> tuple[str, ...]:
+    """The names of the prompt forms `PromptBuilder.build` takes."""
+    return tuple(_templates()["forms"])
+
+
 @dataclass(frozen=True, slots=True)
 class StopRules:
     eos_ids: frozenset[int]  # token ids that end generation (dropped from the output)
@@ -49,7 +80,15 @@ class StopRules:
 class PromptBuilder:
     """Builds translation prompts for one model; caches the tokenized prefix per language."""
 
-    def __init__(self, tokenizer: Tokenizer, arch: str, bos_id: int | None, eos_ids: set[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        arch: str,
+        bos_id: int | None,
+        eos_ids: set[int],
+        form: str | None = None,
+    ):
+        """`form`: the default prompt form of `build` (None: the template's `default_form`)."""
         data = _templates()
         self.language_names: dict[str, str] = data["languages"]
         name = data["models"].get(arch, "fewshot")
@@ -57,8 +96,13 @@ class PromptBuilder:
             name = "fewshot"  # a Llama checkpoint without ChatML tokens: base-model prompt
         self.template_name = name
         self._t: dict[str, Any] = data["templates"][name]
-        self._examples: list[dict[str, str]] = data["examples"]
+        self._forms: dict[str, dict[str, Any]] = data["forms"]
+        self._example_sets: dict[str, list[dict[str, str]]] = data["example_sets"]
         self._example_sources: dict[str, list[str]] = data["example_sources"]
+        self.default_form = form or data["default_form"][name]
+        self.retry_form = data["retry_form"][name]
+        for f in (self.default_form, self.retry_form):
+            self._form(f)  # an unknown form fails here, not at the first request
         self.tokenizer = tokenizer
         self.bos_id = bos_id
         stop_ids = set(eos_ids)
@@ -69,7 +113,7 @@ class PromptBuilder:
         self.stop_rules = StopRules(
             frozenset(stop_ids), bool(self._t.get("stop_at_newline", True)), ()
         )
-        self._prefix_cache: dict[str, list[int]] = {}
+        self._prefix_cache: dict[tuple[str, str], list[int]] = {}  # (form, target) -> ids
 
     @property
     def languages(self) -> tuple[str, ...]:
@@ -82,10 +126,28 @@ class PromptBuilder:
             known = ", ".join(self.language_names)
             raise UnsupportedLanguage(f"unsupported language {lang!r} (known: {known})") from None
 
-    def prefix_text(self, target_lang: str) -> str:
+    def _form(self, form: str | None) -> dict[str, Any]:
+        name = form or self.default_form
+        try:
+            return self._forms[name]
+        except KeyError:
+            known = ", ".join(self._forms)
+            raise ValueError(f"unknown prompt form {name!r} (known: {known})") from None
+
+    def examples(self, form: str | None = None) -> list[dict[str, str]]:
+        """The examples (language -> text) the prefix of `form` shows, in order."""
+        f = self._form(form)
+        if not f.get("examples"):
+            return []
+        return self._example_sets[f["examples"]][: int(f.get("max_examples", 8))]
+
+    def prefix_text(self, target_lang: str, form: str | None = None) -> str:
         tgt_name = self._name(target_lang)
-        parts = [self._t["prefix"].format(tgt_name=tgt_name)]
-        for example, src in zip(self._examples, self._example_sources[target_lang], strict=False):
+        instruction = self._form(form).get("instruction")
+        prefix = self._t[f"prefix_{instruction}"] if instruction else self._t["prefix"]
+        parts = [prefix.format(tgt_name=tgt_name)]
+        examples = self.examples(form)
+        for example, src in zip(examples, self._example_sources[target_lang], strict=False):
             parts.append(
                 self._t["example"].format(
                     src_name=self.language_names[src],
@@ -101,18 +163,23 @@ class PromptBuilder:
         tgt_name = self._name(target_lang)
         return self._t["query"].format(src_name=src_name, tgt_name=tgt_name, text=text)
 
-    def prefix_ids(self, target_lang: str) -> list[int]:
-        ids = self._prefix_cache.get(target_lang)
+    def prefix_ids(self, target_lang: str, form: str | None = None) -> list[int]:
+        key = (form or self.default_form, target_lang)
+        ids = self._prefix_cache.get(key)
         if ids is None:
-            ids = self.tokenizer.encode(self.prefix_text(target_lang), add_special_tokens=False)
+            text = self.prefix_text(target_lang, form)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
             if self.bos_id is not None and self._t.get("add_bos", True):
                 ids = [self.bos_id, *ids]
-            self._prefix_cache[target_lang] = ids
+            self._prefix_cache[key] = ids
         return ids
 
-    def build(self, text: str, source_lang: str, target_lang: str) -> tuple[list[int], int]:
-        """Token ids of the full prompt and the length of its shareable prefix."""
-        prefix = self.prefix_ids(target_lang)
+    def build(
+        self, text: str, source_lang: str, target_lang: str, form: str | None = None
+    ) -> tuple[list[int], int]:
+        """Token ids of the full prompt and the length of its shareable prefix; `form`: a
+        prompt form of `prompts.json` (None: this builder's default form)."""
+        prefix = self.prefix_ids(target_lang, form)
         query = self.tokenizer.encode(
             self.query_text(text, source_lang, target_lang), add_special_tokens=False
         )

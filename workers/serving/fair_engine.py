@@ -46,6 +46,7 @@ from workers.serving.queue_snapshot import GuardedQueue, QueueSnapshot, snapshot
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.engine_snapshot import EngineSnapshot
     from workers.engine.loader import LoadedModel
 
 __all__ = ["FairEngine", "build_fair_engine"]
@@ -106,6 +107,7 @@ class FairEngine:
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        prompt_form: str | None = None,
     ) -> RequestHandle:
         request = self.engine.translation_request(
             text,
@@ -114,6 +116,7 @@ class FairEngine:
             request_id=request_id,
             deadline=deadline,
             max_new_tokens=max_new_tokens,
+            prompt_form=prompt_form,
         )
         return self.submit(request)
 
@@ -219,6 +222,11 @@ class FairEngine:
         """The waiting queue's ledger at one instant (depths, service, counters, weights), safe
         from any thread: what the precheck and the worker's fairness gauges read."""
         return snapshot_of(self.queue)
+
+    def stats_snapshot(self) -> EngineSnapshot:
+        """The engine's own statistics at one instant (KV use, prefix hits, preemptions), safe
+        from any thread: what the worker's engine gauges read (workers/metrics.py)."""
+        return self.engine.stats_snapshot()
 
     def stats(self) -> dict[str, Any]:
         adm = self.admission

@@ -1,0 +1,217 @@
+"""Every panel of deploy/grafana/tolk.json returns data from a real Prometheus after a load.
+
+A private Prometheus (compose/stack.sh `observability-up`: its own state dir and port 19590,
+a 1 s scrape interval) scrapes a real worker and `tolk load`. The worker runs the real engine
+(SmolLM2-135M, `build_fair_engine`: VTC queue, admission, KV cache, prefix cache) behind the
+exact-match translation cache, as `tolk worker` composes them, on the local broker with a
+topic prefix of its own. `tolk load` sends a few real support texts per language at a fixed
+rate, cycling, so the cache also hits. Then each panel's every PromQL target goes through the
+HTTP API (`$__rate_interval` -> 1m, `$lang` -> `.+`); a target with no series fails.
+
+A panel whose metric the worker does not export at all yet (no `# HELP` line on its metrics
+page: lag and time-to-drain come with workers/drain.py) is an expected failure naming it; once
+the metric is exported, the panel must return data like every other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tests.kafka_fixtures import kafka_bootstrap, redis_url, services_required  # noqa: F401
+from tests.workers.fakes import create_prefixed_topics
+from workers.fairness.policy import LanguagePolicy
+from workers.loadtest.cli import run_load
+from workers.loadtest.texts import support_mix
+from workers.settings import Settings
+from workers.worker import Worker
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "tolk.json"
+STACK = ROOT / "compose" / "stack.sh"
+PROMETHEUS_PORT = 19590
+LANGS = ("de", "fr")
+RATES = {"de": 2.0, "fr": 1.0}
+LOAD_S = 12.0
+MAX_NEW_TOKENS = 48
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def panel_targets(dashboard: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every query panel's targets."""
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            out.append((panel["title"], target["refId"], target["expr"]))
+    return out
+
+
+def concrete(expr: str) -> str:
+    """The expression as Grafana would send it with every language selected."""
+    return expr.replace("$__rate_interval", "1m").replace("$lang", ".+")
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(tolk_[a-z0-9_]+?)(?:_bucket|_count|_sum)?\b(?=[{\[\s)]|$)", expr))
+
+
+def query(expr: str) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?" + urllib.parse.urlencode(
+        {"query": expr}
+    )
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", body
+    return list(body["data"]["result"])
+
+
+def test_dashboard_json_is_well_formed() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    targets = panel_targets(dashboard)
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in (
+        "p50",
+        "throughput",
+        "errors",
+        "queue depth",
+        "vtc",
+        "jain",
+        "slo",
+        "kv cache",
+        "prefix",
+        "cache hit rate",
+        "lag",
+        "time to drain",
+    ):
+        assert topic in titles, topic
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for title, _ref, expr in targets:
+        assert metric_names(expr), (title, expr)
+        assert "$lang" in expr or "lang" not in expr or "by (lang" in expr, (title, expr)
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, int]]:
+    """A private Prometheus scraping a worker port and a load-generator port (both free)."""
+    ports = {"worker": _free_port(), "load": _free_port()}
+    env = {
+        **os.environ,
+        "TOLK_STATE_DIR": str(tmp_path / "stack"),
+        "TOLK_PROMETHEUS_PORT": str(PROMETHEUS_PORT),
+        "TOLK_PROMETHEUS_TARGETS": f"127.0.0.1:{ports['worker']}",
+        "TOLK_PROMETHEUS_LOAD_TARGETS": f"127.0.0.1:{ports['load']}",
+        "TOLK_PROMETHEUS_SCRAPE_INTERVAL": "1s",
+    }
+    up = subprocess.run(
+        ["bash", str(STACK), "observability-up"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if up.returncode != 0:
+        why = f"prometheus did not start: {up.stderr[-800:]}"
+        if services_required():
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        yield ports
+    finally:
+        subprocess.run(["bash", str(STACK), "observability-down"], env=env, timeout=60)
+
+
+def test_every_panel_returns_data_after_a_short_load(
+    smollm2: Any,
+    kafka_bootstrap: str,  # noqa: F811
+    redis_url: str,  # noqa: F811
+    prometheus: dict[str, int],
+    tmp_path: Path,
+) -> None:
+    from workers.cache_engine import with_translation_cache
+    from workers.engine.engine import EngineConfig
+    from workers.serving.fair_engine import build_fair_engine
+
+    prefix = f"t{uuid.uuid4().hex[:10]}."
+    create_prefixed_topics(kafka_bootstrap, prefix, LANGS)
+    policies = {lang: LanguagePolicy(1.0, 20.0, 64, MAX_NEW_TOKENS) for lang in LANGS}
+    settings = Settings(
+        bootstrap=kafka_bootstrap,
+        redis_url=redis_url,
+        group_id=f"tolk-test-{uuid.uuid4().hex[:10]}",
+        languages=LANGS,
+        topic_prefix=prefix,
+        metrics_port=prometheus["worker"],
+        worker_id="w-dashboard",
+        policies=policies,
+        drain_timeout_s=10.0,
+    )
+    fair = build_fair_engine(
+        smollm2,
+        policies,
+        config=EngineConfig(kv_cache_tokens=4096, max_new_tokens=MAX_NEW_TOKENS),
+    )
+    fair.engine.warm(LANGS)
+    engine = with_translation_cache(fair, settings, variant=f"test={uuid.uuid4().hex[:8]}")
+    worker = Worker(settings, engine, registry=CollectorRegistry())
+    thread = worker.run_in_thread()
+    try:
+        assert worker.assigned_event.wait(30), "worker got no assignment"
+        # the 3 shortest texts, cycled: they finish (STOP, cacheable), so the cache hits too
+        texts = {lang: sorted(support_mix(lang), key=lambda t: len(t.text))[:3] for lang in LANGS}
+        summary = run_load(
+            RATES,
+            LOAD_S,
+            tmp_path / "load",
+            bootstrap=kafka_bootstrap,
+            topic_prefix=prefix,
+            deadline_s=30.0,
+            timeout_s=40.0,
+            metrics_port=prometheus["load"],
+            texts=texts,
+        )
+        assert all(row["ok"] > 0 for row in summary["languages"]), summary
+        time.sleep(3.0)  # a few more scrapes of the worker's gauges
+        exposition = (
+            urllib.request.urlopen(f"http://127.0.0.1:{prometheus['worker']}/metrics", timeout=5)
+            .read()
+            .decode()
+        )
+        empty: list[str] = []
+        not_exported: list[str] = []
+        dashboard = json.loads(DASHBOARD.read_text())
+        for title, ref, expr in panel_targets(dashboard):
+            missing = [
+                m
+                for m in metric_names(expr)
+                if not m.startswith("tolk_load_") and f"# HELP {m} " not in exposition
+            ]
+            if missing:
+                not_exported.append(f"{title} [{ref}]: {', '.join(sorted(missing))}")
+                continue
+            if not query(concrete(expr)):
+                empty.append(f"{title} [{ref}]: {concrete(expr)}")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+    if not_exported:
+        pytest.xfail("metrics not exported by the worker yet:\n" + "\n".join(not_exported))

@@ -1,0 +1,254 @@
+"""The guard on the real broker (issue #14, Done-when 4 and 5), with replies written directly.
+
+Two guard subprocesses (`tolk guard`, 2 s windows) read the same reply topic, each with its own
+app id (consumer group, changelog) and its own events and control topics:
+
+* guard A runs uninterrupted;
+* guard B is SIGKILLed in the middle of a window while replies are flowing, and restarted.
+
+The replies come from a producer in the test: arm `stable` fast in both languages, arm `v2`
+5 s slow for German (over its 2 s SLO) and fast for French, plus a malformed record, a reply of
+an arm nobody rolls out, and one whose completed_at is 10 minutes off its record time. Both
+guards must judge the same windows with the same counts and decide the same: German rolled back
+after 3 bad windows, French promoted to 100 % after 2 good ones; and the shares they wrote to
+their control topics must say so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+
+from schemas.codec import encode_result
+from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
+from tests.workers.polling import wait_for
+from topics.admin import ensure_topics
+from topics.catalog import TopicSpec, arm_control_topic, catalog, rollout_events_topic
+from workers.arm_control import read_share_table
+from workers.guard.events import EventWriter, operator_event, read_events
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+WINDOW_S = 2.0
+PER_WINDOW = 12  # replies per window, language and arm
+
+
+def _reply(i: int, lang: str, arm: str, latency_ms: float, now_ms: int, **over: Any) -> bytes:
+    return encode_result(
+        {
+            "request_id": f"r{i}",
+            "status": "OK",
+            "text": "x",
+            "error": None,
+            "model_version": f"smol@{arm}",
+            "source_lang": "en",
+            "target_lang": lang,
+            "timings": {
+                "queue_ms": 1.0,
+                "prefill_ms": 1.0,
+                "decode_ms": 1.0,
+                "total_ms": latency_ms,
+            },
+            "tokens_in": 3,
+            "tokens_out": 3,
+            "cached_prefix_tokens": 0,
+            "worker_id": "w",
+            "completed_at": now_ms,
+            "conversation_id": None,
+            "metadata": {},
+            **over,
+        }
+    )
+
+
+def _guard(bootstrap: str, prefix: str, app_id: str, replies: str, tmp: Path) -> subprocess.Popen:
+    env = {**os.environ, "TOLK_BOOTSTRAP": bootstrap, "TOLK_TOPIC_PREFIX": prefix}
+    log = open(tmp / f"{app_id}.log", "ab")  # noqa: SIM115 (the process owns it)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workers.cli",
+            "guard",
+            "--window-s",
+            str(WINDOW_S),
+            "--min-requests",
+            "5",
+            "--good-windows",
+            "2",
+            "--bad-windows",
+            "3",
+            "--grace-s",
+            "1",
+            "--app-id",
+            app_id,
+            "--replies-topic",
+            replies,
+            "--metrics-port",
+            "0",
+            "--datadir",
+            str(tmp / app_id),
+            "--log-level",
+            "info",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _window_events(bootstrap: str, prefix: str) -> list[dict[str, Any]]:
+    events = read_events({"bootstrap.servers": bootstrap}, rollout_events_topic(prefix))
+    return [e for e in events if e["window_start"] is not None]
+
+
+def _finished(bootstrap: str, prefix: str) -> bool:
+    actions = {(e["language"], e["action"]) for e in _window_events(bootstrap, prefix)}
+    return {("de", "ROLLBACK"), ("fr", "COMPLETE")} <= actions
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+
+
+def test_guard_killed_mid_window_decides_like_an_uninterrupted_one(
+    kafka_bootstrap: str,  # noqa: F811
+    tmp_path: Path,
+    procs: list[subprocess.Popen],
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    replies = f"t-guard-{run}.replies"
+    prefixes = {"A": f"t-guard-{run}-a.", "B": f"t-guard-{run}-b."}
+    specs = [TopicSpec(replies, 3)]
+    for prefix in prefixes.values():
+        specs += [
+            s
+            for s in catalog(["de"], 1, prefix=prefix)
+            if "control" in s.name or "rollout" in s.name
+        ]
+    ensure_topics(kafka_bootstrap, specs)
+    kafka = {"bootstrap.servers": kafka_bootstrap}
+    start_ms = int(time.time() * 1000)
+    for prefix in prefixes.values():
+        writer = EventWriter(kafka, rollout_events_topic(prefix), arm_control_topic(prefix))
+        for lang in ("de", "fr"):
+            writer.write_event(
+                operator_event(
+                    "START",
+                    rollout_id=f"v2-{run}",
+                    lang=lang,
+                    stable="stable",
+                    canary="v2",
+                    share_before=0,
+                    share_after=50,
+                    steps=(50, 100),
+                    decided_by="test",
+                    now_ms=start_ms,
+                )
+            )
+        writer.close()
+
+    guard_a = _guard(kafka_bootstrap, prefixes["A"], f"guard-a-{run}", replies, tmp_path)
+    guard_b = _guard(kafka_bootstrap, prefixes["B"], f"guard-b-{run}", replies, tmp_path)
+    procs += [guard_a, guard_b]
+    wait_for(
+        lambda: all(
+            b"Ready" in (tmp_path / f"guard-{x}-{run}.log").read_bytes() for x in ("a", "b")
+        ),
+        timeout=90,
+        what="both guards ready",
+        interval=0.5,
+    )
+
+    producer = Producer({**kafka, "linger.ms": 5})
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            now = int(time.time() * 1000)
+            for lang in ("de", "fr"):
+                for arm, latency in (("stable", 300.0), ("v2", 5000.0 if lang == "de" else 320.0)):
+                    producer.produce(
+                        replies,
+                        key=f"c{i}".encode(),
+                        value=_reply(i, lang, arm, latency, now),
+                        timestamp=now,
+                    )
+                    i += 1
+            if i % 40 == 0:  # the ones to count and ignore
+                producer.produce(replies, key=b"bad", value=b"\x00garbage", timestamp=now)
+                producer.produce(
+                    replies, key=b"u", value=_reply(i, "de", "other", 10, now), timestamp=now
+                )
+                producer.produce(
+                    replies, key=b"s", value=_reply(i, "fr", "v2", 10, now - 600_000), timestamp=now
+                )
+            producer.poll(0)
+            time.sleep(WINDOW_S / PER_WINDOW)
+        producer.flush(10)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    time.sleep(WINDOW_S * 1.5)  # mid-window, replies flowing, a commit or so behind
+    guard_b.send_signal(signal.SIGKILL)
+    guard_b.wait(10)
+    procs.append(_guard(kafka_bootstrap, prefixes["B"], f"guard-b-{run}", replies, tmp_path))
+    try:
+        wait_for(
+            lambda: all(_finished(kafka_bootstrap, p) for p in prefixes.values()),
+            timeout=120,
+            what="rollback of de and completion of fr in both guards",
+            interval=1.0,
+        )
+    finally:
+        stop.set()
+        thread.join(15)
+
+    def judged(prefix: str) -> dict[str, tuple]:
+        return {
+            e["event_id"]: (
+                e["action"],
+                e["share_after"],
+                e["verdict"],
+                tuple(sorted(e["figures"].items())),
+            )
+            for e in _window_events(kafka_bootstrap, prefix)
+        }
+
+    a, b = judged(prefixes["A"]), judged(prefixes["B"])
+    print("GUARD A", sorted((k, v[0], v[1]) for k, v in a.items()))
+    print("GUARD B", sorted((k, v[0], v[1]) for k, v in b.items()))
+    assert a == b  # same windows, same counts and figures, same decisions
+    de = [v for k, v in sorted(a.items()) if "/de/" in k]
+    assert [v[0] for v in de if v[2] != "inconclusive"][-1] == "ROLLBACK"
+    assert sum(1 for v in de if v[2] == "bad") == 3
+    counted = [dict(v[3]) for v in de if v[2] == "bad"]
+    assert all(c["canary_requests"] >= 5 and c["canary_p99_ms"] > 2000 for c in counted)
+    for prefix in prefixes.values():
+        table = read_share_table(kafka, arm_control_topic(prefix))
+        assert dict(table.entries["de"]) == {"stable": 100.0, "v2": 0.0}
+        assert dict(table.entries["fr"]) == {"stable": 0.0, "v2": 100.0}
+    log_b = (tmp_path / f"guard-b-{run}.log").read_text(errors="replace")
+    assert "ROLLBACK de" in log_b and "P99" in log_b  # the log line says why
+    assert log_b.count("[^Worker]: Ready") == 2  # killed once, restarted
+    assert "Restoring state from changelog topics" in log_b  # the counts came back from it

@@ -1,0 +1,189 @@
+"""workers/faithful_engine.py around a scripted engine: the length guard's cap, a clean answer
+passed through, a suspect one retried with the retry form or flagged, notes, counters and the
+reply's metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.faithful import LengthCaps
+from workers.faithful_engine import (
+    FINISH_REASON_KEY,
+    GUARD_REASON,
+    NOTE_KEY,
+    RETRY_SUFFIX,
+    FaithfulEngine,
+)
+from workers.metrics import WorkerMetrics
+from workers.records import ConsumedRecord, InFlight
+from workers.replies import FINISH_REASON_KEY as REPLIES_FINISH_REASON_KEY
+from workers.replies import engine_reply
+
+PATIENCE_DE = "Vielen Dank für Ihre Geduld. Ihr Ersatzgerät wird morgen verschickt."
+# 2 x source words + 3 output tokens for en-de in the test table
+CAPS = LengthCaps({"scripted": {"en-de": {"slope": 2.0, "intercept": 3.0}}})
+
+
+@dataclass
+class Call:
+    request_id: str
+    text: str
+    max_new_tokens: int | None
+    prompt_form: str | None
+
+
+Script = Callable[[Call], tuple[str, FinishReason]]
+
+
+@dataclass
+class ScriptedEngine:
+    """Answers at once with `script(call)`; records every call. Counts words as tokens."""
+
+    script: Script
+    model_version: str = "scripted-1"
+    languages: tuple[str, ...] = ("en", "de")
+    calls: list[Call] = field(default_factory=list)
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+        prompt_form: str | None = None,
+    ) -> RequestHandle:
+        call = Call(request_id, text, max_new_tokens, prompt_form)
+        self.calls.append(call)
+        out, reason = self.script(call)
+        handle = RequestHandle(request_id, lambda _rid: None)
+        tokens = len(out.split())
+        handle.set_result(
+            GenerationResult(request_id, list(range(tokens)), out, reason, 10, tokens)
+        )
+        return handle
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def start(self) -> None: ...
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None: ...
+
+
+def make(script: Script, **kw: object) -> tuple[FaithfulEngine, ScriptedEngine]:
+    inner = ScriptedEngine(script)
+    return FaithfulEngine(inner, caps=CAPS, retry_form="zero_shot", **kw), inner  # type: ignore[arg-type]
+
+
+def translate(engine: FaithfulEngine, text: str, **kw: object) -> GenerationResult:
+    handle = engine.submit_translation(
+        request_id="r1", text=text, source_lang="en", target_lang="de", **kw
+    )
+    return handle.result(timeout=5)
+
+
+def test_the_guard_caps_by_the_source_and_keeps_a_tighter_language_cap() -> None:
+    engine, inner = make(lambda c: ("Wo ist meine Bestellung?", FinishReason.STOP))
+    result = translate(engine, "Where is my order?", max_new_tokens=256)
+    assert inner.calls[0].max_new_tokens == 2 * 4 + 3  # 4 source "tokens"
+    assert result.text == "Wo ist meine Bestellung?" and result.notes == {}
+    translate(engine, "Where is my order?", max_new_tokens=5)
+    assert inner.calls[1].max_new_tokens == 5  # the language's own cap is tighter
+    assert engine.checks == {} and engine.outcomes == {}
+
+
+def test_a_leak_is_retried_with_the_retry_form() -> None:
+    def script(call: Call) -> tuple[str, FinishReason]:
+        if call.prompt_form is None:
+            return PATIENCE_DE, FinishReason.STOP
+        return "Danke", FinishReason.STOP
+
+    engine, inner = make(script)
+    result = translate(engine, "Thanks")
+    assert [c.request_id for c in inner.calls] == ["r1", "r1" + RETRY_SUFFIX]
+    assert inner.calls[1].prompt_form == "zero_shot"
+    assert result.request_id == "r1" and result.text == "Danke"
+    assert result.notes == {NOTE_KEY: "retried", f"{NOTE_KEY}.first": "leak,ratio"}
+    assert result.tokens_out == len(PATIENCE_DE.split()) + 1  # the work of both runs
+    assert engine.checks == {("de", "leak"): 1, ("de", "ratio"): 1}
+    assert engine.outcomes == {("de", "retried"): 1}
+
+
+def test_a_guard_stop_is_retried_and_flagged_when_the_retry_stops_there_too() -> None:
+    engine, inner = make(lambda c: ("und " * 20, FinishReason.LENGTH))
+    result = translate(engine, "I am waiting for you")
+    assert len(inner.calls) == 2
+    assert result.notes[NOTE_KEY] == "flagged"
+    assert result.notes[FINISH_REASON_KEY] == GUARD_REASON
+    assert "length_guard" in result.notes[f"{NOTE_KEY}.problems"]
+    assert "loop" in result.notes[f"{NOTE_KEY}.first"]
+    assert engine.outcomes == {("de", "flagged"): 1}
+
+
+def test_a_stop_at_the_language_cap_is_not_the_guard() -> None:
+    # the language's max_new_tokens (3) is tighter than the guard: a plain LENGTH, no retry
+    engine, inner = make(lambda c: ("Ich warte auf", FinishReason.LENGTH))
+    result = translate(engine, "I am waiting for you", max_new_tokens=3)
+    assert len(inner.calls) == 1 and result.notes == {}
+
+
+def test_the_better_of_two_suspects_is_flagged() -> None:
+    def script(call: Call) -> tuple[str, FinishReason]:
+        if call.prompt_form is None:
+            return PATIENCE_DE, FinishReason.STOP  # leak + ratio
+        return "Danke danke danke danke danke danke danke", FinishReason.STOP  # ratio + loop
+
+    engine, _ = make(script)
+    result = translate(engine, "Thanks")
+    assert result.text.startswith("Danke danke")  # milder than a leak
+    assert result.notes[f"{NOTE_KEY}.problems"] == "ratio,loop"
+    assert result.notes[f"{NOTE_KEY}.first"] == "leak,ratio"
+
+
+def test_without_retries_a_suspect_answer_is_flagged_at_once() -> None:
+    engine, inner = make(lambda c: (PATIENCE_DE, FinishReason.STOP), retry=False)
+    result = translate(engine, "Thanks")
+    assert len(inner.calls) == 1 and result.text == PATIENCE_DE
+    assert result.notes[NOTE_KEY] == "flagged" and result.notes[f"{NOTE_KEY}.retry"] == "off"
+
+
+def test_a_failed_run_passes_through() -> None:
+    engine, inner = make(lambda c: ("", FinishReason.EXPIRED))
+    result = translate(engine, "Thanks")
+    assert result.finish_reason is FinishReason.EXPIRED and len(inner.calls) == 1
+
+
+def test_an_engine_without_prompt_forms_gets_no_retry() -> None:
+    class NoForms(ScriptedEngine):
+        def submit_translation(self, **kw):  # type: ignore[no-untyped-def,override]
+            return super().submit_translation(**kw)
+
+    inner = NoForms(lambda c: (PATIENCE_DE, FinishReason.STOP))
+    engine = FaithfulEngine(inner, caps=CAPS, retry_form="zero_shot")
+    assert not engine.retry
+    assert translate(engine, "Thanks").notes[NOTE_KEY] == "flagged"
+
+
+def test_counters_and_the_reply_metadata() -> None:
+    metrics = WorkerMetrics(CollectorRegistry())
+    engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH))
+    engine.bind_metrics(metrics)
+    result = translate(engine, "I am waiting for you")
+    assert metrics.faithful_checks_total.labels(lang="de", check="length_guard")._value.get() == 1
+    assert metrics.faithful_outcomes_total.labels(lang="de", outcome="flagged")._value.get() == 1
+    # the reply keeps the guard's finer finish reason over the plain `length`
+    assert FINISH_REASON_KEY == REPLIES_FINISH_REASON_KEY
+    rec = ConsumedRecord(
+        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
+    )
+    inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
+    reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
+    assert reply["metadata"][REPLIES_FINISH_REASON_KEY] == GUARD_REASON
+    assert reply["metadata"][NOTE_KEY] == "flagged"

@@ -1,0 +1,71 @@
+"""The length guard and the stop rule on the real model (Gemma 3 270M, greedy): issue #18's
+cases. "Thanks" (en -> de) copied a few-shot example's target under the prompt before the
+issue (form `support8`) and no longer does under the default form; a translation ends at the
+template's end of line; the guard's cap stops a generation and the reply says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.prompts import prompt_examples
+from workers.engine.types import FinishReason
+from workers.faithful import LengthCaps, leaked_example
+from workers.faithful_engine import FINISH_REASON_KEY, GUARD_REASON, NOTE_KEY, FaithfulEngine
+
+pytestmark = pytest.mark.slow
+
+AGENT_TURN = (
+    "Okay, I will check that for you and get back to you in a moment with the available "
+    "options for your stay at the hotel next weekend."
+)
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3: Any) -> Engine:
+    return Engine(gemma3, EngineConfig(max_new_tokens=256))
+
+
+def test_the_old_prompt_leaks_and_the_default_does_not(engine: Engine) -> None:
+    examples = prompt_examples()
+    old, new = engine.generate(
+        [
+            engine.translation_request("Thanks", "en", "de", prompt_form="support8"),
+            engine.translation_request("Thanks", "en", "de"),
+        ]
+    )
+    assert leaked_example("Thanks", old.text, examples, "de") is not None, old.text
+    assert leaked_example("Thanks", new.text, examples, "de") is None, new.text
+    assert "dank" in new.text.casefold()
+
+
+def test_a_translation_stops_at_the_end_of_its_line(engine: Engine) -> None:
+    (result,) = engine.generate([engine.translation_request("Go to your Home screen.", "en", "fr")])
+    assert result.finish_reason is FinishReason.STOP
+    # the stop token is the template's newline: nothing of a next example was generated
+    assert "\n" in engine.tokenizer.decode(result.token_ids[-1:])
+    assert "\n" not in result.text and "English" not in result.text
+    assert result.tokens_out < 30
+
+
+def test_the_packaged_cap_holds_a_long_turn_and_a_tight_cap_stops_it(engine: Engine) -> None:
+    packaged = FaithfulEngine(engine, default_max_new_tokens=256)
+    cap = packaged.length_cap(AGENT_TURN, "en", "de")
+    assert 20 < cap < 256  # the source's tokens x the en-de slope, far under the language's 256
+    tight = FaithfulEngine(
+        engine, caps=LengthCaps({"gemma3": {"en-de": {"slope": 0.0, "intercept": 5.0}}})
+    )
+    engine.start()
+    try:
+        result = tight.submit_translation(
+            request_id="g1", text=AGENT_TURN, source_lang="en", target_lang="de"
+        ).result(timeout=600)
+    finally:
+        engine.stop(drain=True, timeout=60)
+    # the first run and the retry both stop at 5 tokens: answered, flagged, and said so
+    assert result.finish_reason is FinishReason.LENGTH
+    assert len(result.token_ids) == 5
+    assert result.notes[NOTE_KEY] == "flagged"
+    assert result.notes[FINISH_REASON_KEY] == GUARD_REASON

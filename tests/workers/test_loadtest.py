@@ -1,0 +1,63 @@
+"""The load test's pure parts: rate parsing, the text mix, nearest-rank percentiles, summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workers.loadtest.bridge import Completion
+from workers.loadtest.cli import parse_rates
+from workers.loadtest.report import language_summary, nearest_rank, write_summary
+from workers.loadtest.texts import support_mix
+
+
+def test_parse_rates() -> None:
+    assert parse_rates("de=2, FR=0.5") == {"de": 2.0, "fr": 0.5}
+    for bad in ("", "de", "de=0", "de=-1", "de=x", "=2", "de=1,de=2"):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+
+
+def test_support_mix_is_real_texts_for_the_language_and_seeded() -> None:
+    de = support_mix("de", with_bcontrast=False)
+    assert len(de) >= 30 and len({t.text for t in de}) == len(de)
+    assert all(t.source_lang != "de" for t in de)  # nothing is "translated" into itself
+    assert "Hi there, how can I help today?" in {t.text for t in de}
+    en = support_mix("en", with_bcontrast=False)
+    assert en and all(t.source_lang == "de" for t in en)
+    assert support_mix("fr", seed=1, with_bcontrast=False) == support_mix(
+        "fr", seed=1, with_bcontrast=False
+    )
+    assert support_mix("fr", seed=1, with_bcontrast=False) != support_mix(
+        "fr", seed=2, with_bcontrast=False
+    )
+
+
+def test_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert nearest_rank(values, 50) == 50.0
+    assert nearest_rank(values, 95) == 95.0
+    assert nearest_rank(values, 99) == 99.0
+    assert nearest_rank([3.0], 99) == 3.0
+    assert nearest_rank([1.0, 2.0, 3.0], 50) == 2.0  # ceil(1.5) = 2nd
+    assert str(nearest_rank([], 50)) == "nan"
+
+
+def _c(lang: str, latency: float, status: str = "OK") -> Completion:
+    return Completion(lang, f"r{latency}", status, 0.0, latency, 0.001, 3, 10, None)
+
+
+def test_summary_uses_ok_replies_only_and_counts_every_status(tmp_path: Path) -> None:
+    done = [_c("de", x / 10) for x in range(1, 21)] + [_c("de", 9.0, "TIMEOUT"), _c("fr", 0.2)]
+    row = language_summary("de", [c for c in done if c.lang == "de"], 2.0, 10.0)
+    assert row["sent"] == 21 and row["ok"] == 20
+    assert row["statuses"] == {"OK": 20, "TIMEOUT": 1}
+    assert row["p50_ms"] == 1000.0 and row["p95_ms"] == 1900.0 and row["p99_ms"] == 2000.0
+    assert row["throughput_per_s"] == 2.0 and row["offered_per_s"] == 2.1
+    summary = write_summary(tmp_path, done, {"de": 2.0, "fr": 1.0, "it": 1.0}, 10.0, {"x": 1})
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    by_lang = {r["lang"]: r for r in summary["languages"]}
+    assert by_lang["it"]["sent"] == 0 and by_lang["it"]["p50_ms"] is None
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 4  # header + 3 languages

@@ -1,0 +1,492 @@
+"""`CachingEngine`: a `TranslationEngine` that answers repeated texts from the exact-match cache.
+
+It wraps the engine the worker gets (outermost, so a hit skips every other wrapper too), in
+the pattern of `workers.protected_engine`. Per request (`submit_translation`, on the worker's
+poll thread):
+
+1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the wrappers
+   inside, runtime variant), prompt-set version, languages, normalized text. Texts longer than
+   `max_text_chars` bypass the cache (straight to the engine, no note).
+2. L1 (`workers.tm.lru_k.LanguageLRUK`, in this process), then L2 (`workers.tm.redis_cache`,
+   Redis behind a circuit breaker). A hit returns a handle already resolved: status OK (STOP),
+   the cached text, no tokens, `timings.total_s` = the look-up time, and the note
+   `tolk.cache` = `l1` / `l2` (copied into the reply's metadata by `workers.replies`). An L2
+   hit is copied into L1.
+3. A miss runs once however many identical requests arrive meanwhile (single flight): the
+   first starts a "flight", the inner engine's run under its own request id; the others join
+   it. When the run ends every participant gets its result under its own request id, noted
+   `tolk.cache` = `miss` (the one whose id ran) or `joined` (tokens counted once: a joined
+   answer reports none). A result that `workers.tm.cache_policy.is_cacheable` accepts (OK by a
+   stop rule, not flagged or retried by a wrapper) goes into L1 at once and into L2 through a
+   writer thread (the engine's thread never waits on Redis).
+4. A run that ended EXPIRED, REJECTED or CANCELLED does not speak for the joined requests (a
+   later deadline, another cancel): those still live start a new flight among themselves. A
+   failed run (ERROR) is passed to every participant: the worker's retry rules apply to each,
+   and their reruns meet in one flight again.
+
+Cancel (the worker cancels on a drain timeout) detaches one participant, answered CANCELLED
+at once; the inner run is cancelled only when no participant is left.
+
+Counts: per target language, hits per tier, misses (inner runs), joins, L1 evictions, hit
+look-up time (`tolk_cache_*` once the worker binds its metrics, `bind_metrics`, and always in
+`CachingEngine.counts`); L2 outages in `tolk_cache_l2_degraded_total{op}` and
+`tolk_cache_l2_up`. `with_translation_cache(engine, settings)` is what the CLI calls
+(`tolk worker`, unless `--no-cache` / `TOLK_CACHE=0`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.engine.types import (
+    FinishReason,
+    GenerationResult,
+    RequestHandle,
+    Timings,
+    TranslationEngine,
+)
+from workers.tm.cache_key import CacheKey, cache_key
+from workers.tm.cache_policy import CACHE_NOTE, is_cacheable
+from workers.tm.lru_k import LanguageLRUK
+from workers.tm.redis_cache import CacheBreaker, CacheUnavailable, TranslationStore
+
+__all__ = ["CachingEngine", "engine_fingerprint", "with_translation_cache"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TEXT_CHARS = 2000  # longer texts are rarely repeated; not worth the memory
+_WRITE_QUEUE = 10_000  # L2 writes waiting for the writer thread; beyond: dropped (counted)
+_STOP = object()
+
+
+class _CacheMetrics(Protocol):
+    cache_hits_total: Any  # Counter (lang, tier)
+    cache_misses_total: Any  # Counter (lang)
+    cache_joined_total: Any  # Counter (lang)
+    cache_evictions_total: Any  # Counter (lang)
+    cache_hit_seconds: Any  # Histogram (lang)
+    cache_l2_degraded_total: Any  # Counter (op)
+    cache_l2_up: Any  # Gauge
+
+
+@dataclass(slots=True)
+class _Waiter:
+    """One request waiting on a flight."""
+
+    request_id: str
+    handle: RequestHandle  # what the worker holds
+    deadline: float | None
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One inner run and every request waiting for it."""
+
+    key: CacheKey
+    text: str
+    source_lang: str
+    max_new_tokens: int | None
+    run_id: str  # the request id the inner run goes under
+    waiters: dict[str, _Waiter] = field(default_factory=dict)  # request id -> waiter
+    inner: RequestHandle | None = None
+    done: bool = False
+
+
+def engine_fingerprint(engine: TranslationEngine, variant: str = "") -> str:
+    """`<model version>|<wrapper>><wrapper>>...|<variant>`: what the key says about the
+    engine (the chain follows `.inner`, the wrappers' convention)."""
+    chain: list[str] = []
+    node: Any = engine
+    while node is not None and len(chain) < 16:
+        chain.append(type(node).__name__)
+        node = getattr(node, "__dict__", {}).get("inner")
+    return f"{engine.model_version}|{'>'.join(chain)}|{variant}"
+
+
+class CachingEngine:
+    """Wraps a `TranslationEngine` with the two-tier exact-match cache (module notes)."""
+
+    def __init__(
+        self,
+        inner: TranslationEngine,
+        *,
+        l1_capacity: int,
+        l1_shares: Mapping[str, float],
+        l2: TranslationStore | None,
+        prompt_set_version: str,
+        variant: str = "",
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+        l2_retry_after_s: float = 1.0,
+        metrics: _CacheMetrics | None = None,
+    ) -> None:
+        self.inner = inner
+        self.fingerprint = engine_fingerprint(inner, variant)
+        self.prompt_set_version = prompt_set_version
+        self.max_text_chars = max_text_chars
+        self._metrics = metrics
+        self.l1: LanguageLRUK[str] = LanguageLRUK(l1_capacity, l1_shares, self._evicted)
+        self.l2 = (
+            None
+            if l2 is None
+            else CacheBreaker(
+                l2,
+                on_degraded=self._l2_degraded,
+                on_state=self._l2_state,
+                retry_after_s=l2_retry_after_s,
+            )
+        )
+        self._lock = threading.Lock()
+        self._flights: dict[CacheKey, _Flight] = {}
+        self._by_request: dict[str, _Flight] = {}  # request id -> the flight it waits on
+        self.counts: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
+        self._writes: queue.Queue[Any] = queue.Queue(_WRITE_QUEUE)
+        self._writer: threading.Thread | None = None
+
+    # -- TranslationEngine -------------------------------------------------------------------
+
+    @property
+    def model_version(self) -> str:
+        return self.inner.model_version
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return self.inner.languages
+
+    def count_tokens(self, text: str) -> int:
+        return self.inner.count_tokens(text)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.inner.stop(drain=drain, timeout=timeout)
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._writes.put(_STOP)
+            writer.join(timeout=2.0)
+
+    def __getattr__(self, name: str) -> Any:
+        # stats, queue_snapshot, ...: the inner engine's (only for names the wrapper lacks)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    def bind_metrics(self, metrics: _CacheMetrics) -> None:
+        """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""
+        self._metrics = metrics
+        metrics.cache_l2_up.set(0 if self.l2 is None or self.l2.degraded else 1)
+        bind_inner = getattr(self.inner, "bind_metrics", None)
+        if callable(bind_inner):
+            bind_inner(metrics)
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> RequestHandle:
+        """Answer from L1 / L2, join the identical request in flight, or run the engine."""
+        t0 = time.perf_counter()
+        if len(text) > self.max_text_chars:
+            self._count(target_lang, "bypass")
+            return self.inner.submit_translation(
+                request_id=request_id,
+                text=text,
+                source_lang=source_lang,
+                target_lang=target_lang,
+                deadline=deadline,
+                max_new_tokens=max_new_tokens,
+            )
+        key = cache_key(
+            engine_fingerprint=self.fingerprint,
+            prompt_set_version=self.prompt_set_version,
+            source_lang=source_lang,
+            target_lang=target_lang,
+            text=text,
+        )
+        cached = self.l1.get(target_lang, key)
+        if cached is not None:
+            return self._hit(request_id, key, cached, "l1", t0)
+        waiter = _Waiter(request_id, RequestHandle(request_id, self._cancel), deadline)
+        if self._join(key, waiter):
+            return waiter.handle
+        if self.l2 is not None:
+            try:
+                cached = self.l2.get(key)
+            except CacheUnavailable:
+                cached = None
+            if cached is not None:
+                self.l1.put(target_lang, key, cached)
+                return self._hit(request_id, key, cached, "l2", t0)
+        flight = _Flight(key, text, source_lang, max_new_tokens, request_id)
+        self._fly(flight, waiter)
+        return waiter.handle
+
+    # -- hits ---------------------------------------------------------------------------------
+
+    def _hit(
+        self, request_id: str, key: CacheKey, text: str, tier: str, t0: float
+    ) -> RequestHandle:
+        elapsed = time.perf_counter() - t0
+        handle = RequestHandle(request_id, lambda _rid: None)  # done already: nothing to cancel
+        handle.set_result(
+            GenerationResult(
+                request_id=request_id,
+                token_ids=[],
+                text=text,
+                finish_reason=FinishReason.STOP,
+                timings=Timings(total_s=elapsed),
+                notes={CACHE_NOTE: tier},
+            )
+        )
+        self._count(key.target_lang, tier)
+        if self._metrics is not None:
+            self._metrics.cache_hits_total.labels(lang=key.target_lang, tier=tier).inc()
+            self._metrics.cache_hit_seconds.labels(lang=key.target_lang).observe(elapsed)
+        return handle
+
+    # -- flights ------------------------------------------------------------------------------
+
+    def _join(self, key: CacheKey, waiter: _Waiter) -> bool:
+        """Join the flight of `key` if one is in the air; False when there is none."""
+        with self._lock:
+            flight = self._flights.get(key)
+            if flight is None or flight.done:
+                return False
+            flight.waiters[waiter.request_id] = waiter
+            self._by_request[waiter.request_id] = flight
+        self._count(key.target_lang, "joined")
+        if self._metrics is not None:
+            self._metrics.cache_joined_total.labels(lang=key.target_lang).inc()
+        return True
+
+    def _fly(self, flight: _Flight, waiter: _Waiter) -> None:
+        """Start `flight`'s inner run with `waiter` aboard (or join one that just started)."""
+        with self._lock:
+            current = self._flights.get(flight.key)
+            if current is not None and not current.done:  # another thread was faster
+                current.waiters[waiter.request_id] = waiter
+                self._by_request[waiter.request_id] = current
+                return
+            flight.waiters[waiter.request_id] = waiter
+            self._flights[flight.key] = flight
+            self._by_request[waiter.request_id] = flight
+        lang = flight.key.target_lang
+        self._count(lang, "miss")
+        if self._metrics is not None:
+            self._metrics.cache_misses_total.labels(lang=lang).inc()
+        try:
+            inner = self.inner.submit_translation(
+                request_id=flight.run_id,
+                text=flight.text,
+                source_lang=flight.source_lang,
+                target_lang=lang,
+                deadline=waiter.deadline,
+                max_new_tokens=flight.max_new_tokens,
+            )
+        except Exception as exc:
+            others = self._land(flight)
+            others.pop(waiter.request_id, None)
+            for other in others.values():  # joined meanwhile: refused with the same reason
+                other.handle.set_result(_failed(other.request_id, f"engine refused: {exc!r}"))
+            raise
+        with self._lock:
+            flight.inner = inner
+            orphaned = not flight.waiters  # every participant cancelled meanwhile
+        if orphaned:
+            inner.cancel()
+        inner.add_done_callback(lambda result: self._on_run_done(flight, result))
+
+    def _land(self, flight: _Flight) -> dict[str, _Waiter]:
+        """The flight is over: out of the tables; its waiters."""
+        with self._lock:
+            flight.done = True
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+            waiters = dict(flight.waiters)
+            for rid in waiters:
+                if self._by_request.get(rid) is flight:
+                    del self._by_request[rid]
+        return waiters
+
+    def _on_run_done(self, flight: _Flight, result: GenerationResult) -> None:
+        """The inner run ended (engine thread): cache it, answer everyone (module notes)."""
+        if is_cacheable(result):
+            self.l1.put(flight.key.target_lang, flight.key, result.text)
+            self._write_l2(flight.key, result.text)
+        waiters = self._land(flight)
+        retry: list[_Waiter] = []
+        for rid, waiter in waiters.items():
+            mine = rid == flight.run_id
+            if not mine and result.finish_reason in _NOT_FOR_THE_OTHERS:
+                retry.append(waiter)
+                continue
+            waiter.handle.set_result(_answer(result, rid, "miss" if mine else "joined"))
+        if retry:
+            self._refly(flight, retry, result)
+
+    def _refly(self, flight: _Flight, waiters: list[_Waiter], result: GenerationResult) -> None:
+        """Joined requests whose run ended EXPIRED / REJECTED / CANCELLED for the one that
+        ran: the live ones fly again together; those past their deadline get the result."""
+        now = time.monotonic()
+        live = []
+        for w in waiters:
+            if w.deadline is not None and now >= w.deadline:
+                w.handle.set_result(_answer(result, w.request_id, "joined"))
+            else:
+                live.append(w)
+        if not live:
+            return
+        first, rest = live[0], live[1:]
+        again = _Flight(
+            flight.key, flight.text, flight.source_lang, flight.max_new_tokens, first.request_id
+        )
+        try:
+            self._fly(again, first)
+        except Exception as exc:
+            for w in live:
+                w.handle.set_result(_failed(w.request_id, f"engine refused: {exc!r}"))
+            return
+        for w in rest:
+            if not self._join(flight.key, w):  # that flight ended already: a new one
+                self._refly(flight, [w], result)
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            flight = self._by_request.pop(request_id, None)
+            if flight is None:
+                return
+            waiter = flight.waiters.pop(request_id, None)
+            inner = flight.inner if not flight.waiters else None
+        if waiter is not None:
+            waiter.handle.set_result(_cancelled(request_id))
+        if inner is not None:
+            inner.cancel()  # nobody waits for this run any more
+
+    # -- L2 writes ----------------------------------------------------------------------------
+
+    def _write_l2(self, key: CacheKey, text: str) -> None:
+        if self.l2 is None:
+            return
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="tolk-cache-writer", daemon=True
+                )
+                self._writer.start()
+        try:
+            self._writes.put_nowait((key, text))
+        except queue.Full:
+            self._l2_degraded("put")
+
+    def _write_loop(self) -> None:
+        assert self.l2 is not None
+        while True:
+            item = self._writes.get()
+            try:
+                if item is _STOP:
+                    return
+                key, text = item
+                with contextlib.suppress(CacheUnavailable):  # counted by the breaker; L1 has it
+                    self.l2.put(key, text)
+            finally:
+                self._writes.task_done()
+
+    def flush_l2_writes(self, timeout: float = 5.0) -> bool:
+        """Wait until the writer thread has sent every queued L2 write (tests, benchmarks)."""
+        end = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.005)
+        return not self._writes.unfinished_tasks
+
+    # -- counts -------------------------------------------------------------------------------
+
+    def _count(self, lang: str, outcome: str) -> None:
+        with self._lock:
+            self.counts[(lang, outcome)] += 1
+
+    def _evicted(self, lang: str) -> None:
+        self._count(lang, "evicted")
+        if self._metrics is not None:
+            self._metrics.cache_evictions_total.labels(lang=lang).inc()
+
+    def _l2_degraded(self, op: str) -> None:
+        if self._metrics is not None:
+            self._metrics.cache_l2_degraded_total.labels(op=op).inc()
+
+    def _l2_state(self, up: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.cache_l2_up.set(1 if up else 0)
+
+
+# A run that ended so for the request it ran under may still succeed for a joined one.
+_NOT_FOR_THE_OTHERS = (FinishReason.EXPIRED, FinishReason.REJECTED, FinishReason.CANCELLED)
+
+
+def _answer(result: GenerationResult, request_id: str, how: str) -> GenerationResult:
+    """`result` for one participant: its own id, the cache note; a joined one reports no
+    tokens (the run's tokens are counted once, on the request that ran it)."""
+    notes = {**result.notes, CACHE_NOTE: how}
+    if how == "miss":
+        return dataclasses.replace(result, request_id=request_id, notes=notes)
+    return dataclasses.replace(
+        result,
+        request_id=request_id,
+        notes=notes,
+        token_ids=[],
+        tokens_in=0,
+        tokens_out=0,
+        cached_tokens=0,
+    )
+
+
+def _cancelled(request_id: str) -> GenerationResult:
+    return GenerationResult(request_id, [], "", FinishReason.CANCELLED, error="cancelled")
+
+
+def _failed(request_id: str, error: str) -> GenerationResult:
+    return GenerationResult(request_id, [], "", FinishReason.ERROR, error=error)
+
+
+def with_translation_cache(
+    engine: TranslationEngine,
+    settings: Any,
+    *,
+    variant: str = "",
+    l2: TranslationStore | None = None,
+) -> CachingEngine:
+    """`engine` behind the exact-match cache as `settings` configure it (`tolk worker`):
+    L1 of `cache_l1_entries` shared equally by `settings.languages`, L2 in the Redis of
+    `redis_url` with the `cache_ttl` tiers (unless `l2` is given). The arm and `variant`
+    (e.g. "int8") go into the engine fingerprint."""
+    from workers.engine.prompts import prompt_set_version
+    from workers.tm.redis_cache import RedisTranslationCache
+
+    if l2 is None:
+        l2 = RedisTranslationCache(
+            settings.redis_url, settings.cache_ttl, socket_timeout_s=settings.store_timeout_s
+        )
+    arm = f"arm={settings.arm}" if settings.arm else ""
+    return CachingEngine(
+        engine,
+        l1_capacity=settings.cache_l1_entries,
+        l1_shares={lang: 1.0 for lang in settings.languages},
+        l2=l2,
+        prompt_set_version=prompt_set_version(),
+        variant=",".join(v for v in (arm, variant) if v),
+    )

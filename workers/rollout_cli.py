@@ -1,0 +1,229 @@
+"""`tolk guard` and `tolk rollout start|status|promote|abort`: the canary rollout commands.
+
+Thin commands over `workers.guard`: `rollout start` writes a START event per language to
+`tolk.rollout.events` and the first shares to `tolk.control.arms`; `promote` and `abort`
+write an operator event and the new shares; `status` folds the events (`events.load_book`)
+and prints, per language, the arms, the share, the recent windows and the last decision.
+`guard` runs the faust app (`workers.guard.app`). Heavy imports stay inside the commands.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any
+
+import typer
+
+rollout_app = typer.Typer(
+    help="Canary rollouts per language (the guard moves the shares).", no_args_is_help=True
+)
+
+BootstrapOpt = Annotated[
+    str | None, typer.Option("--bootstrap", "-b", help="Kafka bootstrap servers.")
+]
+LanguagesArg = Annotated[str, typer.Option("--languages", "-l", help="Comma list of languages.")]
+
+
+def _target(bootstrap: str | None) -> tuple[Any, str, str]:
+    from topics.catalog import arm_control_topic, rollout_events_topic
+    from workers.settings import Settings
+
+    overrides: dict[str, Any] = {"bootstrap": bootstrap} if bootstrap else {}
+    settings = Settings.from_env(**overrides)
+    prefix = settings.topic_prefix
+    return settings, rollout_events_topic(prefix), arm_control_topic(prefix)
+
+
+def _langs(text: str) -> list[str]:
+    from workers.settings import parse_languages
+
+    return list(parse_languages(text))
+
+
+def _fail(exc: Exception) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(1) from None
+
+
+@rollout_app.command("start")
+def rollout_start(
+    arm: Annotated[str, typer.Option(help="The canary arm.")],
+    languages: LanguagesArg,
+    share: Annotated[float, typer.Option(help="The canary's first share, percent.")] = 5.0,
+    stable: Annotated[str, typer.Option(help="The stable arm.")] = "stable",
+    steps: Annotated[str, typer.Option(help="Promotion steps, percent.")] = "5,25,50,100",
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Start a canary: `tolk rollout start --arm v2 --languages de,fr --share 5`."""
+    from workers.arm_control import default_updated_by
+    from workers.arms import validate_arm_name
+    from workers.guard.events import EventWriter, operator_event
+    from workers.guard.policy import RolloutState, validate_steps
+
+    settings, events_topic, control_topic = _target(bootstrap)
+    try:
+        validate_arm_name(arm)
+        validate_arm_name(stable)
+        step_list = validate_steps([float(s) for s in steps.split(",") if s.strip()])
+        if not 0 < share <= 100:
+            raise ValueError(f"share must be within (0, 100], got {share:g}")
+        writer = EventWriter(settings.kafka_common(), events_topic, control_topic)
+        rollout_id = f"{arm}-{uuid.uuid4().hex[:8]}"
+        by = default_updated_by()
+        for lang in _langs(languages):
+            event = operator_event(
+                "START",
+                rollout_id=rollout_id,
+                lang=lang,
+                stable=stable,
+                canary=arm,
+                share_before=0.0,
+                share_after=share,
+                steps=step_list,
+                decided_by=by,
+                now_ms=int(time.time() * 1000),
+            )
+            writer.write_event(event)
+            writer.write_shares(RolloutState(rollout_id, lang, stable, arm, share), updated_by=by)
+            typer.echo(f"{lang}: {stable}={100 - share:g} {arm}={share:g} (rollout {rollout_id})")
+        writer.close()
+    except (ValueError, RuntimeError) as exc:
+        _fail(exc)
+
+
+def _operator(action: str, languages: str | None, bootstrap: str | None) -> None:
+    from workers.arm_control import default_updated_by
+    from workers.guard.events import EventWriter, load_book, operator_event
+    from workers.guard.policy import next_step
+
+    settings, events_topic, control_topic = _target(bootstrap)
+    try:
+        book = load_book(settings.kafka_common(), events_topic)
+        langs = _langs(languages) if languages else sorted(book.active())
+        writer = EventWriter(settings.kafka_common(), events_topic, control_topic)
+        by = default_updated_by()
+        for lang in langs:
+            state = book.states.get(lang)
+            if state is None or not state.active:
+                typer.echo(f"{lang}: no active rollout", err=True)
+                continue
+            share = next_step(state.steps, state.share) if action == "PROMOTE" else 0.0
+            event = operator_event(
+                action,
+                rollout_id=state.rollout_id,
+                lang=lang,
+                stable=state.stable,
+                canary=state.canary,
+                share_before=state.share,
+                share_after=share,
+                steps=state.steps,
+                decided_by=by,
+                now_ms=int(time.time() * 1000),
+                reason=f"operator {action.lower()}",
+            )
+            writer.write_event(event)
+            book.apply(event)
+            writer.write_shares(book.states[lang], updated_by=by)
+            typer.echo(f"{lang}: {state.canary} {state.share:g}% -> {share:g}%")
+        writer.close()
+    except (ValueError, RuntimeError) as exc:
+        _fail(exc)
+
+
+@rollout_app.command("promote")
+def rollout_promote(
+    languages: Annotated[str | None, typer.Option("--languages", "-l")] = None,
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Step the canary up now (every active language, or those given)."""
+    _operator("PROMOTE", languages, bootstrap)
+
+
+@rollout_app.command("abort")
+def rollout_abort(
+    languages: Annotated[str | None, typer.Option("--languages", "-l")] = None,
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Set the canary's share to 0 now and stop judging (every active language, or those)."""
+    _operator("ABORT", languages, bootstrap)
+
+
+@rollout_app.command("status")
+def rollout_status(
+    windows: Annotated[int, typer.Option(help="Recent windows shown per language.")] = 5,
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Per language: stable, canary, share, phase, recent windows, last decision."""
+    from workers.guard.events import load_book
+
+    settings, events_topic, _ = _target(bootstrap)
+    book = load_book(settings.kafka_common(), events_topic)
+    if not book.states:
+        typer.echo("no rollouts")
+    for lang in sorted(book.states):
+        s = book.states[lang]
+        typer.echo(
+            f"{lang}: {s.stable} -> {s.canary} {s.share:g}% {s.phase} "
+            f"(rollout {s.rollout_id}, good {s.good_streak}, bad {s.bad_streak})"
+        )
+        judged = [e for e in book.history.get(lang, []) if e.get("window_start") is not None]
+        for e in judged[-windows:]:
+            f = e.get("figures", {})
+            typer.echo(
+                f"  window {e['window_start']}: {e['verdict']:<12} "
+                f"canary n={f.get('canary_requests', 0):g} p99={f.get('canary_p99_ms', -1):g}"
+                f" ms; stable n={f.get('stable_requests', 0):g} "
+                f"p99={f.get('stable_p99_ms', -1):g} ms -> {e['action']}"
+            )
+        last = book.last_decision(lang)
+        if last is not None:
+            typer.echo(f"  last decision: {last['action']} ({'; '.join(last['reasons'])})")
+
+
+def guard(
+    window_s: Annotated[float, typer.Option(help="Tumbling window length, seconds.")] = 30.0,
+    min_requests: Annotated[int, typer.Option(help="Canary replies for a verdict.")] = 10,
+    bad_windows: Annotated[int, typer.Option(help="Consecutive bad windows: rollback.")] = 3,
+    good_windows: Annotated[int, typer.Option(help="Consecutive good windows: promote.")] = 3,
+    min_share: Annotated[float, typer.Option(help="No verdict below this share.")] = 1.0,
+    grace_s: Annotated[float, typer.Option(help="Wait after a window's end.")] = 2.0,
+    app_id: Annotated[str, typer.Option(help="Faust app id (group, changelog).")] = "tolk-guard",
+    replies_topic: Annotated[str | None, typer.Option(help="Default: the catalog's.")] = None,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off).")] = 9401,
+    datadir: Annotated[str, typer.Option(help="Faust's local state directory.")] = ".tolk-guard",
+    bootstrap: BootstrapOpt = None,
+    log_level: Annotated[str, typer.Option(help="crit|error|warn|info|debug")] = "info",
+) -> None:
+    """Run the canary guard: count replies per window, roll back or promote canaries."""
+    import logging
+
+    from topics.catalog import replies_topic as default_replies
+    from workers.guard.app import GuardConfig, run_guard
+    from workers.guard.policy import GuardPolicy
+
+    logging.basicConfig(
+        level=log_level.upper().replace("CRIT", "CRITICAL").replace("WARN", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings, events_topic, control_topic = _target(bootstrap)
+    config = GuardConfig(
+        bootstrap=settings.bootstrap,
+        kafka_config=settings.kafka_common(),
+        replies_topic=replies_topic or default_replies(settings.topic_prefix),
+        events_topic=events_topic,
+        control_topic=control_topic,
+        policy=GuardPolicy(
+            window_s=window_s,
+            min_requests=min_requests,
+            bad_windows_to_rollback=bad_windows,
+            good_windows_to_promote=good_windows,
+            min_share=min_share,
+        ),
+        slos=dict(settings.policies),
+        app_id=app_id,
+        guard_id=f"{app_id}@{settings.worker_id}",
+        grace_s=grace_s,
+        datadir=datadir,
+    )
+    run_guard(config, metrics_port=metrics_port, loglevel=log_level)

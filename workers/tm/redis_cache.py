@@ -1,0 +1,287 @@
+"""L2 of the exact-match cache: Redis, shared by every worker, with a TTL per language tier.
+
+* Entries: `tolk:tm:<target lang>:<digest>` (`CacheKey.redis_key`) -> the translation's UTF-8
+  text, written with `SET ... EX <ttl>`. The TTL depends on the target language:
+  `TOLK_CACHE_TTL` = `en:180,de:300,*:60` (seconds; "*" for every other language), parsed once
+  by `workers.settings` with `parse_ttl_tiers`. Redis itself bounds the memory: the stack
+  starts it with `maxmemory` and `allkeys-lru` (`compose/stack.sh`), so an L2 that fills up
+  drops its least recently used entries instead of refusing writes.
+* Outages: the cache is an optimisation, never a dependency. `RedisTranslationCache` uses
+  short socket timeouts and no client-side retries (as `workers.results_store` does);
+  `CacheBreaker` wraps it and, after a failure, skips every call for `retry_after_s` (1 s), then
+  lets one call try again; success closes it. So an outage costs at most one timeout per
+  second, the worker translates on with L1 and the engine, and the cache recovers by itself
+  when Redis is back (redis-py reconnects on the next command). The breaker logs the outage
+  once when it starts, at most once per `log_every_s` (60 s) while it lasts, and once when it
+  ends; every failed or skipped call is reported to `on_degraded(op)` ("get" / "put") and the
+  state to `on_state(up)` (the worker's `tolk_cache_l2_degraded_total` and `tolk_cache_l2_up`).
+
+`CacheBreaker` is thread-safe: gets run on the worker's poll thread, puts on the cache's
+writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from workers.redaction import mask_url
+from workers.tm.cache_key import CacheKey
+
+__all__ = [
+    "DEFAULT_TTL_S",
+    "KEY_PREFIX",
+    "CacheBreaker",
+    "CacheUnavailable",
+    "InMemoryTranslationCache",
+    "RedisTranslationCache",
+    "TranslationStore",
+    "TtlTiers",
+    "parse_ttl_tiers",
+    "ttl_tiers_from_mapping",
+]
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "tolk:tm:"
+DEFAULT_TTL_S = 86400  # one day, for the languages TOLK_CACHE_TTL does not name (no "*")
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class TtlTiers:
+    """Seconds an L2 entry lives, per target language; `default` for the others."""
+
+    by_language: tuple[tuple[str, int], ...]  # sorted (lang, seconds) pairs
+    default: int
+
+    def ttl_s(self, lang: str) -> int:
+        for name, seconds in self.by_language:
+            if name == lang:
+                return seconds
+        return self.default
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dict(self.by_language), "*": self.default}
+
+
+def parse_ttl_tiers(spec: str) -> TtlTiers:
+    """`"en:180,de:300,*:60"` -> TtlTiers; without "*", the default is 86400 s (one day)."""
+    tiers: dict[str, int] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lang, sep, seconds = part.partition(":")
+        lang = lang.strip().lower()
+        if not sep or not lang:
+            raise ValueError(f"TOLK_CACHE_TTL: {part!r} is not lang:seconds")
+        try:
+            value = int(seconds)
+        except ValueError:
+            raise ValueError(f"TOLK_CACHE_TTL: {part!r}: seconds must be an integer") from None
+        if value < 1:
+            raise ValueError(f"TOLK_CACHE_TTL: {part!r}: seconds must be >= 1")
+        if lang in tiers:
+            raise ValueError(f"TOLK_CACHE_TTL: {lang!r} given twice")
+        tiers[lang] = value
+    default = tiers.pop("*", DEFAULT_TTL_S)
+    return TtlTiers(tuple(sorted(tiers.items())), default)
+
+
+class CacheUnavailable(RuntimeError):
+    """L2 could not be reached or answered with an error (or the breaker skipped the call)."""
+
+
+class TranslationStore(Protocol):
+    def get(self, key: CacheKey) -> str | None: ...
+
+    def put(self, key: CacheKey, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RedisTranslationCache:
+    """`CacheKey` -> translation text in Redis, TTL by the key's target language."""
+
+    def __init__(
+        self,
+        url: str,
+        ttl: TtlTiers,
+        *,
+        socket_timeout_s: float = 0.3,
+        key_prefix: str = KEY_PREFIX,
+    ) -> None:
+        import redis  # only the worker needs it
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if not socket_timeout_s > 0:
+            raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s!r}")
+        self._redis_error: type[Exception] = redis.RedisError
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # fail fast; CacheBreaker paces the retries
+        )
+        self.ttl = ttl
+        self.key_prefix = key_prefix
+        self.url = mask_url(url)
+
+    def __repr__(self) -> str:
+        return f"RedisTranslationCache(url={self.url!r}, ttl={self.ttl.as_dict()})"
+
+    def get(self, key: CacheKey) -> str | None:
+        try:
+            value = self._client.get(key.redis_key(self.key_prefix))
+        except self._redis_error as exc:
+            raise CacheUnavailable(f"redis GET failed: {exc}") from exc
+        return None if value is None else bytes(value).decode("utf-8")  # type: ignore[arg-type]
+
+    def put(self, key: CacheKey, text: str) -> None:
+        try:
+            self._client.set(
+                key.redis_key(self.key_prefix),
+                text.encode("utf-8"),
+                ex=self.ttl.ttl_s(key.target_lang),
+            )
+        except self._redis_error as exc:
+            raise CacheUnavailable(f"redis SET failed: {exc}") from exc
+
+    def ttl_left(self, key: CacheKey) -> int:
+        """Seconds the entry has left (-2: none, -1: no TTL), as Redis's TTL answers."""
+        return int(self._client.ttl(key.redis_key(self.key_prefix)))  # type: ignore[arg-type]
+
+    def delete_all(self, keys: Iterable[CacheKey]) -> None:
+        names = [k.redis_key(self.key_prefix) for k in keys]
+        if names:
+            self._client.delete(*names)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class InMemoryTranslationCache:
+    """Dict-backed L2 with the same interface, for unit tests (no TTL)."""
+
+    def __init__(self) -> None:
+        self.data: dict[CacheKey, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: CacheKey) -> str | None:
+        with self._lock:
+            return self.data.get(key)
+
+    def put(self, key: CacheKey, text: str) -> None:
+        with self._lock:
+            self.data[key] = text
+
+    def close(self) -> None:
+        pass
+
+
+class CacheBreaker:
+    """A `TranslationStore` that fails fast for `retry_after_s` after each failure (module
+    notes); logs the outage at most once per `log_every_s`."""
+
+    def __init__(
+        self,
+        store: TranslationStore,
+        *,
+        on_degraded: Callable[[str], None] = lambda op: None,
+        on_state: Callable[[bool], None] = lambda up: None,
+        retry_after_s: float = 1.0,
+        log_every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.on_degraded = on_degraded
+        self.on_state = on_state
+        self.retry_after_s = retry_after_s
+        self.log_every_s = log_every_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open_until: float | None = None  # None: closed, calls go through
+        self._trying = False  # one call is probing a down store now
+        self._last_log: float | None = None
+        self.last_error = ""
+        self.skipped = 0  # calls not tried because the breaker was open (tests)
+
+    @property
+    def degraded(self) -> bool:
+        """True from a failure until a call succeeds again."""
+        with self._lock:
+            return self._open_until is not None
+
+    def get(self, key: CacheKey) -> str | None:
+        return self._call("get", lambda: self.store.get(key))
+
+    def put(self, key: CacheKey, text: str) -> None:
+        self._call("put", lambda: self.store.put(key, text))
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _call(self, op: str, fn: Callable[[], _T]) -> _T:
+        with self._lock:
+            now = self._clock()
+            if self._open_until is not None and (now < self._open_until or self._trying):
+                self.skipped += 1
+                skip = True
+            else:
+                skip = False
+                self._trying = self._open_until is not None
+        if skip:
+            self.on_degraded(op)
+            raise CacheUnavailable(f"L2 cache unavailable ({self.last_error}); skipped")
+        try:
+            out = fn()
+        except CacheUnavailable as exc:
+            self._failed(op, exc)
+            raise
+        self._succeeded()
+        return out
+
+    def _failed(self, op: str, exc: CacheUnavailable) -> None:
+        with self._lock:
+            now = self._clock()
+            was_up = self._open_until is None
+            self._open_until = now + self.retry_after_s
+            self._trying = False
+            self.last_error = str(exc)
+            log_now = self._last_log is None or now - self._last_log >= self.log_every_s
+            if log_now:
+                self._last_log = now
+        self.on_degraded(op)
+        if was_up:
+            self.on_state(False)
+        if log_now:
+            log.warning(
+                "L2 translation cache unreachable (%s): serving from L1 and the engine, "
+                "retrying every %.1f s",
+                exc,
+                self.retry_after_s,
+            )
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            was_down = self._open_until is not None
+            self._open_until = None
+            self._trying = False
+            if was_down:
+                self._last_log = None  # the next outage is logged at once
+        if was_down:
+            self.on_state(True)
+            log.warning("L2 translation cache reachable again")
+
+
+def ttl_tiers_from_mapping(tiers: Mapping[str, int]) -> TtlTiers:
+    """A `TtlTiers` from `{"en": 180, "*": 60}` (tests, programmatic use)."""
+    spec = ",".join(f"{lang}:{seconds}" for lang, seconds in tiers.items())
+    return parse_ttl_tiers(spec)
