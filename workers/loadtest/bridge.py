@@ -81,7 +81,10 @@ class KafkaBridge:
         self._thread = threading.Thread(target=self._run_loop, name="tolk-load-kafka", daemon=True)
         self._done: deque[Completion] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._outstanding = 0  # changed on the loop thread only; read anywhere (an int)
+        # sent and not finished: counted when `send` is called, so a `close` right after the
+        # last send waits for it (it is spawned on the loop thread a moment later)
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
         self.sent = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -119,7 +122,9 @@ class KafkaBridge:
 
     def send(self, lang: str, source_lang: str, text: str, scheduled_at: float) -> None:
         """Start one request (from any thread); `scheduled_at` is a `time.monotonic()` value."""
-        self.sent += 1
+        with self._count_lock:
+            self.sent += 1
+            self._outstanding += 1
         self._loop.call_soon_threadsafe(self._spawn, lang, source_lang, text, scheduled_at)
 
     def drain(self) -> list[Completion]:
@@ -132,7 +137,6 @@ class KafkaBridge:
                 return out
 
     def _spawn(self, lang: str, source_lang: str, text: str, scheduled_at: float) -> None:
-        self._outstanding += 1
         task = self._loop.create_task(self._one(lang, source_lang, text, scheduled_at))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -162,7 +166,8 @@ class KafkaBridge:
         except TranslationError as exc:
             status, error = "ERROR", str(exc)
         finally:
-            self._outstanding -= 1
+            with self._count_lock:
+                self._outstanding -= 1
         self._done.append(
             Completion(
                 lang=lang,
