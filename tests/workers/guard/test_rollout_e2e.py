@@ -109,7 +109,7 @@ def run_rollout(
         worker = Worker(settings, engine, registry=CollectorRegistry())
         workers.append((worker, worker.run_in_thread()))
     for worker, _ in workers:
-        assert worker.assigned_event.wait(30)
+        assert worker.assigned_event.wait(90), "an arm worker got no assignment in 90 s"
     # the rollout starts once both arms run (no request is sent before the guard is ready)
     started = CliRunner().invoke(app, ["rollout", "start", *start_args], env=env)
     assert started.exit_code == 0, started.output
