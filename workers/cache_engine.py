@@ -54,6 +54,7 @@ from workers.engine.types import (
     Timings,
     TranslationEngine,
 )
+from workers.engine_wrapper import EngineWrapper
 from workers.tm.cache_key import CacheKey, cache_key
 from workers.tm.cache_policy import CACHE_NOTE, is_cacheable
 from workers.tm.lru_k import LanguageLRUK
@@ -112,7 +113,7 @@ def engine_fingerprint(engine: TranslationEngine, variant: str = "") -> str:
     return f"{engine.model_version}|{'>'.join(chain)}|{variant}"
 
 
-class CachingEngine:
+class CachingEngine(EngineWrapper):
     """Wraps a `TranslationEngine` with the two-tier exact-match cache (module notes)."""
 
     def __init__(
@@ -153,20 +154,6 @@ class CachingEngine:
 
     # -- TranslationEngine -------------------------------------------------------------------
 
-    @property
-    def model_version(self) -> str:
-        return self.inner.model_version
-
-    @property
-    def languages(self) -> tuple[str, ...]:
-        return self.inner.languages
-
-    def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
-
-    def start(self) -> None:
-        self.inner.start()
-
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         self.inner.stop(drain=drain, timeout=timeout)
         with self._lock:
@@ -174,13 +161,6 @@ class CachingEngine:
         if writer is not None:
             self._writes.put(_STOP)
             writer.join(timeout=2.0)
-
-    def __getattr__(self, name: str) -> Any:
-        # stats, queue_snapshot, ...: the inner engine's (only for names the wrapper lacks)
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def bind_metrics(self, metrics: _CacheMetrics) -> None:
         """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""

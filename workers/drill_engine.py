@@ -25,10 +25,10 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from workers.arms import bucket
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationEngine
+from workers.engine_wrapper import EngineWrapper
 
 __all__ = ["DRILL_NOTE_KEY", "DrillEngine", "DrillFault", "parse_drill", "with_drills"]
 
@@ -67,7 +67,7 @@ def parse_drill(kind: str, spec: str) -> DrillFault:
     return DrillFault(kind, parts[0], fraction, latency)
 
 
-class DrillEngine:
+class DrillEngine(EngineWrapper):
     """Wraps a `TranslationEngine`; injects the configured faults into its results."""
 
     def __init__(self, inner: TranslationEngine, faults: Sequence[DrillFault]) -> None:
@@ -75,17 +75,6 @@ class DrillEngine:
         self.faults = tuple(faults)
         self.hits: Counter[tuple[str, str]] = Counter()  # (lang, kind) -> count
         self._lock = threading.Lock()
-
-    @property
-    def model_version(self) -> str:
-        return self.inner.model_version
-
-    @property
-    def languages(self) -> tuple[str, ...]:
-        return self.inner.languages
-
-    def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
 
     def start(self) -> None:
         for f in self.faults:
@@ -97,15 +86,6 @@ class DrillEngine:
                 f" (+{f.latency_ms:.0f} ms)" if f.kind == "latency" else "",
             )
         self.inner.start()
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        self.inner.stop(drain=drain, timeout=timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def submit_translation(
         self,

@@ -50,6 +50,7 @@ from workers.engine.types import (
     Timings,
     TranslationEngine,
 )
+from workers.engine_wrapper import EngineWrapper
 from workers.faithful import Check, LengthCaps, check
 
 __all__ = [
@@ -92,7 +93,7 @@ class _Job:
     cancelled: bool = False
 
 
-class FaithfulEngine:
+class FaithfulEngine(EngineWrapper):
     """Wraps a `TranslationEngine` with the length guard and the faithfulness checks."""
 
     def __init__(
@@ -122,30 +123,6 @@ class FaithfulEngine:
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
 
     # -- TranslationEngine -------------------------------------------------------------------
-
-    @property
-    def model_version(self) -> str:
-        return self.inner.model_version
-
-    @property
-    def languages(self) -> tuple[str, ...]:
-        return self.inner.languages
-
-    def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
-
-    def start(self) -> None:
-        self.inner.start()
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        self.inner.stop(drain=drain, timeout=timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        # the rest (stats, the fair queue, the engine) is the inner engine's
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def bind_metrics(self, metrics: _FaithfulMetrics) -> None:
         """Count in the worker's `tolk_faithful_*` counters from now on (and pass the metrics

@@ -47,6 +47,7 @@ from workers.engine.types import (
     Timings,
     TranslationEngine,
 )
+from workers.engine_wrapper import EngineWrapper
 from workers.protected_spans import (
     MaskConflict,
     Masked,
@@ -91,7 +92,7 @@ class _Job:
     cancelled: bool = False
 
 
-class ProtectedSpansEngine:
+class ProtectedSpansEngine(EngineWrapper):
     """Wraps a `TranslationEngine`; masks spans before `submit_translation`, restores after."""
 
     def __init__(
@@ -110,31 +111,6 @@ class ProtectedSpansEngine:
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
 
     # -- TranslationEngine -------------------------------------------------------------------
-
-    @property
-    def model_version(self) -> str:
-        return self.inner.model_version
-
-    @property
-    def languages(self) -> tuple[str, ...]:
-        return self.inner.languages
-
-    def count_tokens(self, text: str) -> int:
-        return self.inner.count_tokens(text)
-
-    def start(self) -> None:
-        self.inner.start()
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        self.inner.stop(drain=drain, timeout=timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything else the worker or a benchmark reads (stats, the fair queue) is the inner
-        # engine's. Only called for attributes not found on the wrapper itself.
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
 
     def bind_metrics(self, metrics: _SpanMetrics) -> None:
         """Count outcomes in the worker's `tolk_protected_spans_total` from now on."""

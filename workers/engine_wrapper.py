@@ -1,0 +1,46 @@
+"""`EngineWrapper`: the pass-through half of a `TranslationEngine` that wraps another.
+
+The worker's engine wrappers (`protected_engine`, `faithful_engine`, `cache_engine`,
+`drill_engine`) each change how a request is submitted and answered; everything else is the
+inner engine's. A subclass sets `self.inner` and implements `submit_translation`; it overrides
+`start` / `stop` only to add its own work around the inner engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.engine.types import TranslationEngine
+
+__all__ = ["EngineWrapper"]
+
+
+class EngineWrapper:
+    """Model version, languages, token counts, start and stop of the inner engine; any other
+    attribute (stats, the fair queue, `stats_snapshot`) is looked up on it too."""
+
+    inner: TranslationEngine
+
+    @property
+    def model_version(self) -> str:
+        return self.inner.model_version
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return self.inner.languages
+
+    def count_tokens(self, text: str) -> int:
+        return self.inner.count_tokens(text)
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.inner.stop(drain=drain, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names the wrapper lacks; `inner` itself may not be set yet (copy, pickle)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
