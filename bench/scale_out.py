@@ -105,7 +105,9 @@ def _measure(args: argparse.Namespace, cpus: Sequence[str], logs: Path) -> JSON:
     ensure_topics(args.bootstrap, catalog(LANGS, partitions=4, prefix=prefix))
     reply_topic = prefix + REPLIES
     consumer = Consumer({"bootstrap.servers": args.bootstrap, "group.id": f"{group}-reader"})
-    consumer.assign([TopicPartition(reply_topic, 0, 0)])
+    # the reply topic has as many partitions as the language topics: read them all
+    parts = consumer.list_topics(reply_topic, timeout=10).topics[reply_topic].partitions
+    consumer.assign([TopicPartition(reply_topic, p, 0) for p in sorted(parts)])
     procs = _start_workers(cpus, args, prefix, group, logs)
     try:
         _wait_assigned(procs, args.start_timeout_s)
