@@ -30,11 +30,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from workers.breaker import CircuitBreaker
 from workers.redaction import mask_url
-
-_T = TypeVar("_T")
 
 __all__ = [
     "KEY_PREFIX",
@@ -179,11 +178,9 @@ class InMemoryResultStore:
 
 
 class CircuitBreakerStore:
-    """Any `ResultStore`, failing fast for `retry_after_s` after each failure (module notes).
-
-    Not thread-safe (the worker's poll thread is its only caller). `on_degraded(op)` is called
-    with "get" (for `get` / `get_many`) or "put" on every call that failed or was skipped.
-    """
+    """Any `ResultStore`, failing fast for `retry_after_s` after each failure (module notes; the
+    logic is `workers.breaker`). `on_degraded(op)` is called with "get" (for `get` /
+    `get_many`) or "put" on every call that failed or was skipped."""
 
     def __init__(
         self,
@@ -193,42 +190,33 @@ class CircuitBreakerStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self.on_degraded = on_degraded
-        self.retry_after_s = retry_after_s
-        self._clock = clock
-        self._open_until: float | None = None  # None: closed (calls go through)
-        self.last_error: str = ""
+        self.breaker = CircuitBreaker(
+            failure=ResultStoreError,
+            unavailable=lambda err: ResultStoreError(f"result store unavailable ({err}); skipped"),
+            on_degraded=on_degraded,
+            retry_after_s=retry_after_s,
+            clock=clock,
+        )
 
     @property
     def degraded(self) -> bool:
         """True from a failure until a call succeeds again."""
-        return self._open_until is not None
+        return self.breaker.degraded
+
+    @property
+    def last_error(self) -> str:
+        return self.breaker.last_error
 
     def get(self, request_id: str) -> bytes | None:
-        return self._call("get", lambda: self.store.get(request_id))
+        return self.breaker.call("get", lambda: self.store.get(request_id))
 
     def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]:
         if not request_ids:
             return []
-        return self._call("get", lambda: self.store.get_many(request_ids))
+        return self.breaker.call("get", lambda: self.store.get_many(request_ids))
 
     def put(self, request_id: str, value: bytes) -> None:
-        self._call("put", lambda: self.store.put(request_id, value))
+        self.breaker.call("put", lambda: self.store.put(request_id, value))
 
     def close(self) -> None:
         self.store.close()
-
-    def _call(self, op: str, fn: Callable[[], _T]) -> _T:
-        now = self._clock()
-        if self._open_until is not None and now < self._open_until:
-            self.on_degraded(op)
-            raise ResultStoreError(f"result store unavailable ({self.last_error}); skipped")
-        try:
-            out = fn()
-        except ResultStoreError as exc:
-            self._open_until = self._clock() + self.retry_after_s
-            self.last_error = str(exc)
-            self.on_degraded(op)
-            raise
-        self._open_until = None
-        return out

@@ -27,8 +27,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
+from workers.breaker import CircuitBreaker
 from workers.redaction import mask_url
 from workers.tm.cache_key import CacheKey
 
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "tolk:tm:"
 DEFAULT_TTL_S = 86400  # one day, for the languages TOLK_CACHE_TTL does not name (no "*")
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +186,8 @@ class InMemoryTranslationCache:
 
 
 class CacheBreaker:
-    """A `TranslationStore` that fails fast for `retry_after_s` after each failure (module
-    notes); logs the outage at most once per `log_every_s`."""
+    """A `TranslationStore` that fails fast for `retry_after_s` after each failure and logs the
+    outage at most once per `log_every_s` (module notes; the logic is `workers.breaker`)."""
 
     def __init__(
         self,
@@ -201,84 +200,36 @@ class CacheBreaker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        self.on_degraded = on_degraded
-        self.on_state = on_state
-        self.retry_after_s = retry_after_s
-        self.log_every_s = log_every_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._open_until: float | None = None  # None: closed, calls go through
-        self._trying = False  # one call is probing a down store now
-        self._last_log: float | None = None
-        self.last_error = ""
-        self.skipped = 0  # calls not tried because the breaker was open (tests)
+        self.breaker = CircuitBreaker(
+            failure=CacheUnavailable,
+            unavailable=lambda err: CacheUnavailable(f"L2 cache unavailable ({err}); skipped"),
+            on_degraded=on_degraded,
+            on_state=on_state,
+            retry_after_s=retry_after_s,
+            name="L2 translation cache",
+            log_every_s=log_every_s,
+            logger=log,
+            clock=clock,
+        )
 
     @property
     def degraded(self) -> bool:
         """True from a failure until a call succeeds again."""
-        with self._lock:
-            return self._open_until is not None
+        return self.breaker.degraded
+
+    @property
+    def skipped(self) -> int:
+        """Calls not tried because the breaker was open."""
+        return self.breaker.skipped
 
     def get(self, key: CacheKey) -> str | None:
-        return self._call("get", lambda: self.store.get(key))
+        return self.breaker.call("get", lambda: self.store.get(key))
 
     def put(self, key: CacheKey, text: str) -> None:
-        self._call("put", lambda: self.store.put(key, text))
+        self.breaker.call("put", lambda: self.store.put(key, text))
 
     def close(self) -> None:
         self.store.close()
-
-    def _call(self, op: str, fn: Callable[[], _T]) -> _T:
-        with self._lock:
-            now = self._clock()
-            if self._open_until is not None and (now < self._open_until or self._trying):
-                self.skipped += 1
-                skip = True
-            else:
-                skip = False
-                self._trying = self._open_until is not None
-        if skip:
-            self.on_degraded(op)
-            raise CacheUnavailable(f"L2 cache unavailable ({self.last_error}); skipped")
-        try:
-            out = fn()
-        except CacheUnavailable as exc:
-            self._failed(op, exc)
-            raise
-        self._succeeded()
-        return out
-
-    def _failed(self, op: str, exc: CacheUnavailable) -> None:
-        with self._lock:
-            now = self._clock()
-            was_up = self._open_until is None
-            self._open_until = now + self.retry_after_s
-            self._trying = False
-            self.last_error = str(exc)
-            log_now = self._last_log is None or now - self._last_log >= self.log_every_s
-            if log_now:
-                self._last_log = now
-        self.on_degraded(op)
-        if was_up:
-            self.on_state(False)
-        if log_now:
-            log.warning(
-                "L2 translation cache unreachable (%s): serving from L1 and the engine, "
-                "retrying every %.1f s",
-                exc,
-                self.retry_after_s,
-            )
-
-    def _succeeded(self) -> None:
-        with self._lock:
-            was_down = self._open_until is not None
-            self._open_until = None
-            self._trying = False
-            if was_down:
-                self._last_log = None  # the next outage is logged at once
-        if was_down:
-            self.on_state(True)
-            log.warning("L2 translation cache reachable again")
 
 
 def ttl_tiers_from_mapping(tiers: Mapping[str, int]) -> TtlTiers:
