@@ -78,9 +78,10 @@ def measure(engine: Any, items: list[tuple[str, str, str]]) -> dict[str, Any]:
     for name in MASK_STYLES:
         restored = 0
         kept = 0
-        for form, i, masked in (j for j in jobs if j[0] == name):
-            out = outputs[jobs.index((form, i, masked))]
-            assert masked is not None
+        for form, i, maybe_masked in (j for j in jobs if j[0] == name):
+            out = outputs[jobs.index((form, i, maybe_masked))]
+            assert maybe_masked is not None
+            masked = maybe_masked
             try:
                 final = restore(masked, out)
                 restored += 1
