@@ -35,6 +35,7 @@ __all__ = [
     "ReplyTopicChecker",
     "check_broker",
     "consumer_config",
+    "is_fatal",
     "producer_config",
 ]
 
@@ -52,6 +53,14 @@ MISSING_TOPIC_CODES = frozenset(
         KafkaError.TOPIC_EXCEPTION,
     }
 )
+
+
+def is_fatal(err: KafkaError) -> bool:
+    """True when the client that reported `err` cannot go on (it must be closed and the process
+    restarted). A consumer reports a fatal error as an error event whose code is `_FATAL` and
+    whose own `fatal()` flag is not set (librdkafka keeps the underlying error apart, e.g.
+    KIP-848's "instance ID is still used by another member"), so both are checked."""
+    return bool(err.fatal()) or err.code() == KafkaError._FATAL
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:

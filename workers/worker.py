@@ -70,7 +70,12 @@ from workers.engine.types import TranslationEngine
 from workers.engine_runs import EngineRuns
 from workers.fairness.intake import IntakeController
 from workers.health import WorkerProbes, start_health_server
-from workers.kafka_config import ReplyTopicChecker, consumer_config, producer_config
+from workers.kafka_config import (
+    ReplyTopicChecker,
+    consumer_config,
+    is_fatal,
+    producer_config,
+)
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
 from workers.process_hooks import install_stop_signals, start_metrics_server, worker_registry
@@ -209,8 +214,13 @@ class Worker:
             )
             self.subscribed_event.set()
             log.info("worker %s consuming %s", self.settings.worker_id, sorted(self.topic_lang))
-            while not stop.is_set() and not self._crash:
-                self._iteration()
+            try:
+                while not stop.is_set() and not self._crash:
+                    self._iteration()
+            except KafkaException as exc:  # fatal (_iteration re-raises only those)
+                log.error("worker %s: fatal Kafka error, exiting: %s", self.settings.worker_id, exc)
+                self._abandon()  # replies flushed; uncommitted records go to the next owner
+                raise
             if self._crash:
                 self._abandon()
             else:
@@ -265,7 +275,7 @@ class Worker:
             self._update_gauges()
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
-            if isinstance(err, KafkaError) and err.fatal():
+            if isinstance(err, KafkaError) and is_fatal(err):
                 raise
             log.exception("worker loop: Kafka error (continuing)")
             time.sleep(0.05)
@@ -381,7 +391,7 @@ class Worker:
     def _on_consume_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._PARTITION_EOF:
             return
-        if err.fatal():
+        if is_fatal(err):
             raise KafkaException(err)
         log.warning("consumer error: %s", err)
 
