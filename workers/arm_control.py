@@ -11,7 +11,9 @@ here; so does `tolk arms set de A=30 B=70` (`publish_shares`).
   `subscribe()`, never a commit): every worker sees the whole table, and a restart rebuilds it;
 * `start()` catches up to the end of the topic before it returns (bounded by
   `catch_up_timeout_s`), so the worker routes its first request with the table as it stands,
-  not with an empty one (which would make every arm answer everything);
+  not with an empty one (which would make every arm answer everything); it never raises for a
+  broker that is slow to answer (the worker subscribes after it: an exception here would end
+  the worker before it joined its group), it warns and the poll thread reads on;
 * then a daemon thread keeps polling (`poll_timeout_s`, fetches wait at most 100 ms on the
   broker) and swaps in a new immutable `ShareTable` per change, logging each one: a change is
   applied well inside the 5 s the contract allows (measured in tests/workers/test_arms_kafka.py);
@@ -40,7 +42,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 
 from schemas.codec import SchemaError, decode_arm_shares, encode_arm_shares
 from topics.catalog import request_topic
@@ -53,6 +62,7 @@ __all__ = [
     "StaticShares",
     "default_updated_by",
     "publish_shares",
+    "read_entries_since",
     "read_share_table",
     "validate_language_key",
 ]
@@ -150,6 +160,9 @@ class ArmControlReader:
         self._latest_effective = 0  # the latest effective time of any entry
         self._at_cache: dict[tuple[int, ...], ShareTable] = {}
         self.last_change_monotonic: float | None = None
+        # language -> (record time of the write that set the current entry, its shares)
+        self._written_at: dict[str, tuple[int, dict[str, float] | None]] = {}
+        self.caught_up = False  # the last `read_to_end` reached the end it saw
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -203,6 +216,11 @@ class ArmControlReader:
             cached = cache[picks] = at
         return cached
 
+    def entries_since(self) -> dict[str, tuple[int, dict[str, float] | None]]:
+        """Each language's entry as (when it was written: the record time, ms; its shares, None
+        after a tombstone): since when the entry has stood (`tolk guard` checks it at start)."""
+        return dict(self._written_at)
+
     def read_to_end(self) -> bool:
         """Assign the topic and read it to the end seen now (bounded by `catch_up_timeout_s`);
         False when the topic is not available."""
@@ -253,12 +271,27 @@ class ArmControlReader:
         self._assigned = True
 
     def _catch_up(self) -> None:
-        """Poll until every partition's position reaches the high watermark seen at start."""
+        """Poll until every partition's position reaches the high watermark seen at start.
+        A watermark the broker does not give in time (a loaded broker, a partition whose leader
+        this client does not know yet) ends the catch-up with a warning instead of raising:
+        raised, it ended `Worker.run` before its consumer subscribed (the worker thread gone,
+        never assigned); the poll thread reads the rest."""
+        self.caught_up = False
         ends: dict[int, int] = {}
         for p in self._partitions:
-            low, high = self._consumer.get_watermark_offsets(
-                TopicPartition(self.topic, p), timeout=_METADATA_TIMEOUT_S
-            )
+            try:
+                low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, p), timeout=_METADATA_TIMEOUT_S
+                )
+            except KafkaException as exc:
+                log.warning(
+                    "arm control topic %s: no watermarks for partition %d (%s); routing with "
+                    "what is read, the rest follows",
+                    self.topic,
+                    p,
+                    exc,
+                )
+                return
             if high > low:
                 ends[p] = high
         positions: dict[int, int] = {}
@@ -276,6 +309,7 @@ class ArmControlReader:
                 if msg.error() is None:
                     positions[msg.partition()] = msg.offset() + 1
                 self._apply(msg)
+        self.caught_up = True
 
     def poll_once(self, timeout_s: float) -> int:
         """Apply what arrived within `timeout_s`; returns how many entries changed."""
@@ -313,6 +347,7 @@ class ArmControlReader:
         # when the entry takes effect: its updated_at; a tombstone's record time
         effective = int(msg.timestamp()[1] if value is None else record["updated_at"])
         self._remember(lang, effective, shares)
+        self._written_at[lang] = (int(msg.timestamp()[1]), shares)
         self._table = self._table.with_entry(lang, shares)
         self.changes += 1
         self.last_change_monotonic = time.monotonic()
@@ -372,6 +407,21 @@ def publish_shares(
     if left or errors:
         why = errors[0] if errors else f"not acknowledged within {timeout_s:g} s"
         raise ArmControlError(f"shares for {language!r} not written to {topic}: {why}")
+
+
+def read_entries_since(
+    kafka_config: Mapping[str, Any], topic: str, *, timeout_s: float = 10.0
+) -> dict[str, tuple[int, dict[str, float] | None]]:
+    """`ArmControlReader.entries_since` of the topic read to its end once."""
+    reader = ArmControlReader(kafka_config, topic, catch_up_timeout_s=timeout_s)
+    try:
+        if not reader.read_to_end():
+            raise ArmControlError(f"control topic {topic} is not available")
+        if not reader.caught_up:
+            raise ArmControlError(f"control topic {topic} not read to its end")
+        return reader.entries_since()
+    finally:
+        reader.stop()
 
 
 def read_share_table(

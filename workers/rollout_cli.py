@@ -188,6 +188,12 @@ def guard(
     good_windows: Annotated[int, typer.Option(help="Consecutive good windows: promote.")] = 3,
     min_share: Annotated[float, typer.Option(help="No verdict below this share.")] = 1.0,
     grace_s: Annotated[float, typer.Option(help="Wait after a window's end.")] = 2.0,
+    max_latency_ratio: Annotated[
+        float, typer.Option(help="Canary P95 (P99 past the SLO) above this x the stable's: bad.")
+    ] = 1.5,
+    latency_slack_ms: Annotated[
+        float, typer.Option(help="Added to the P95 bound: the latency noise tolerated.")
+    ] = 250.0,
     app_id: Annotated[str, typer.Option(help="Faust app id (group, changelog).")] = "tolk-guard",
     replies_topic: Annotated[str | None, typer.Option(help="Default: the catalog's.")] = None,
     metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off).")] = 9401,
@@ -219,6 +225,8 @@ def guard(
             bad_windows_to_rollback=bad_windows,
             good_windows_to_promote=good_windows,
             min_share=min_share,
+            max_latency_ratio=max_latency_ratio,
+            latency_slack_ms=latency_slack_ms,
         ),
         slos=dict(settings.policies),
         app_id=app_id,

@@ -43,7 +43,13 @@ from confluent_kafka import Consumer, TopicPartition
 
 from schemas.codec import SchemaError, decode_result
 from workers.fairness.policy import LanguagePolicy
-from workers.guard.events import EventWriter, RolloutBook, decision_event, load_book
+from workers.guard.events import (
+    EventWriter,
+    RolloutBook,
+    decision_event,
+    load_book,
+    shares_lost,
+)
 from workers.guard.metrics import GuardMetrics
 from workers.guard.policy import GuardPolicy, RolloutState, decide
 from workers.guard.windows import (
@@ -54,7 +60,7 @@ from workers.guard.windows import (
     stats_of,
 )
 
-__all__ = ["GuardConfig", "GuardCore", "build_app", "run_guard"]
+__all__ = ["GuardConfig", "GuardCore", "build_app", "restore_lost_shares", "run_guard"]
 
 log = logging.getLogger("tolk.guard")
 
@@ -355,6 +361,28 @@ def _fresh_events(config: GuardConfig, positions: dict[int, int]) -> list[dict[s
     return read_events(config.kafka_config, config.events_topic, positions=positions)
 
 
+def restore_lost_shares(config: GuardConfig, book: RolloutBook, writer: Any) -> list[str]:
+    """Write the shares of the rollout decisions whose shares never reached the control topic
+    (a crash between an event and its shares; `events.shares_lost`), and nothing else: a
+    language's entry set since its last decision (`tolk arms set`) stays. The languages
+    written."""
+    from workers.arm_control import read_entries_since
+
+    entries = read_entries_since(config.kafka_config, config.control_topic)
+    written = []
+    for lang, state in sorted(book.states.items()):
+        if shares_lost(state, book.share_set_at(lang), entries.get(lang)):
+            log.info(
+                "rollout %s %s: shares %s not in the control topic: writing them",
+                state.rollout_id,
+                lang,
+                state.shares(),
+            )
+            writer.write_shares(state, updated_by=config.guard_id)
+            written.append(lang)
+    return written
+
+
 def run_guard(config: GuardConfig, *, metrics_port: int = 0, loglevel: str = "info") -> None:
     """Start the guard and run until SIGTERM / Ctrl-C (faust's worker)."""
     import faust
@@ -375,8 +403,7 @@ def run_guard(config: GuardConfig, *, metrics_port: int = 0, loglevel: str = "in
             state.canary,
             state.share,
         )
-    for state in book.states.values():  # a crash between an event and its shares: redo them
-        writer.write_shares(state, updated_by=config.guard_id)
+    restore_lost_shares(config, book, writer)
     core = GuardCore(config, writer=writer, metrics=metrics, book=book)
     app = build_app(config, core)
     faust.Worker(app, loglevel=loglevel).execute_from_commandline()

@@ -11,10 +11,12 @@ is logged and skipped.
 
 `EventWriter` produces events and shares and waits for the broker's acknowledgement
 (acks=all, idempotent producer): the guard writes the event first, then the shares, so a crash
-between the two leaves an event whose share the next decision (or a restart, which reapplies
-the shares of every state) writes again: the same value, which the workers ignore as no
-change. Shares are written to take effect `SHARE_LEAD_MS` later, for requests stamped from then
-on, so both arms route every request alike across the change.
+between the two leaves an event whose shares are not in the control topic: a restarted guard
+writes them (`shares_lost`: only when the language's control entry was written before the
+decision, so an operator's `tolk arms set` made since is not undone); otherwise the guard
+writes shares only when its own decision moves them. Shares are written to take effect
+`SHARE_LEAD_MS` later, for requests stamped from then on, so both arms route every request
+alike across the change.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "decision_event",
     "operator_event",
     "read_events",
+    "shares_lost",
 ]
 
 log = logging.getLogger(__name__)
@@ -133,11 +136,42 @@ class RolloutBook:
     def active(self) -> dict[str, RolloutState]:
         return {lang: s for lang, s in self.states.items() if s.active}
 
+    def share_set_at(self, lang: str) -> int | None:
+        """When the share of `lang`'s current rollout was last set (the `decided_at` of its
+        START or of its latest event that moved the share); None without a rollout."""
+        state = self.states.get(lang)
+        if state is None:
+            return None
+        for event in reversed(self.history.get(lang, [])):
+            if event["rollout_id"] != state.rollout_id:
+                continue
+            if event["action"] == "START" or event["share_after"] != event["share_before"]:
+                return int(event["decided_at"])
+        return None
+
     def last_decision(self, lang: str) -> dict[str, Any] | None:
         return next(
             (e for e in reversed(self.history.get(lang, [])) if e["action"] != "INCONCLUSIVE"),
             None,
         )
+
+
+def shares_lost(
+    state: RolloutState,
+    share_set_at_ms: int | None,
+    entry: tuple[int, Mapping[str, float] | None] | None,
+) -> bool:
+    """Did a rollout decision's shares never reach the control topic (a crash between the
+    event and its shares)? `entry`: the language's control entry now and when it was written
+    (the record time; `arm_control.read_entries_since`). True only when the entry differs from
+    the state's shares and was written before the decision was made: an entry written at or
+    after it (the decision's own write, or an operator's `tolk arms set` since) stays."""
+    if entry is None:
+        return True  # no entry ever: the decision's write is what is missing
+    since_ms, shares = entry
+    if shares is not None and dict(shares) == state.shares():
+        return False
+    return share_set_at_ms is not None and since_ms < share_set_at_ms
 
 
 def read_events(
