@@ -27,6 +27,12 @@ class EngineConfig:
     # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
     compile_decode: bool = False
     compile_max_batch: int = 8
+    # CUDA only, ignored elsewhere: the Triton kernels swapped into the model
+    # (workers/engine/triton_swaps.py), and decode-only steps of up to max_num_seqs sequences
+    # replayed as CUDA graphs per batch-size bucket (workers/engine/cuda_graphs.py; with
+    # triton_kernels the graphs run the Triton decode kernel, else the reference ops)
+    triton_kernels: bool = False
+    cuda_graphs: bool = False
     pack_weights: bool = True  # CPU float32: projections via the probed fastest GEMM (swaps.py)
     # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
     # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
@@ -67,5 +73,6 @@ class EngineStats:
     last_batch_size: int = 0
     step_seconds: float = 0.0  # total time inside model steps
     compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
+    graph_steps: int = 0  # decode steps replayed as a CUDA graph (cuda_graphs)
     screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
