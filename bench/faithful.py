@@ -13,7 +13,9 @@ Variants (one model load per model, every variant on the same items):
 - `after`: the default prompt form under `workers.faithful_engine.FaithfulEngine` (length guard,
   leak/ratio/loop checks, one retry with the retry form, else flagged), as `tolk worker` runs;
 - `form:NAME`: one prompt form of `workers/engine/prompts.json` alone (cap 256, no checks):
-  the prompt review of docs/PROMPTS.md.
+  the prompt review of docs/PROMPTS.md;
+- `after:DEFAULT:RETRY`: `after` with other default and retry forms (the review of the
+  guarded service, e.g. an earlier round's forms on the same items).
 
 Per (model, variant, pair): leak rate (`workers.faithful.leaked_example` over every example of
 every set), length-ratio outliers (characters of output / source > 3 or < 0.3, the issue's
@@ -26,6 +28,12 @@ with it. Greedy decoding: the same command gives the same figures on the same ma
         --variants before,after --out bench-results/faithful.json
     python -m bench.faithful --models gemma3-270m --limit 100 --variants \\
         form:support8,form:short_mix8,form:short_mix4,form:short_mix8_strict,form:zero_shot
+
+`--pairs en-fr` keeps only some pairs (a prompt change that touches one target language);
+`--stored before=A.json,after=B.json` reports variants an earlier run measured on the same
+items instead of running them again: on a shared machine the long `before` can run while the
+`after` prompt is still being chosen, and one report holds both (each variant's file and
+commit are recorded under `stored`).
 """
 
 from __future__ import annotations
@@ -107,7 +115,13 @@ def run_plain(engine: Engine, items: list[Item], form: str) -> list[Answer]:
     ]
 
 
-def run_after(engine: Engine, items: list[Item]) -> tuple[list[Answer], dict[str, Any]]:
+def run_after(
+    engine: Engine, items: list[Item], forms: tuple[str, str] | None = None
+) -> tuple[list[Answer], dict[str, Any]]:
+    """The guarded service; `forms`: (default, retry) prompt forms other than the template's
+    (variant `after:DEFAULT:RETRY`, e.g. an earlier round's forms on the same items)."""
+    if forms is not None:
+        engine.prompts.default_form, engine.prompts.retry_form = forms
     guarded = FaithfulEngine(engine, default_max_new_tokens=LANGUAGE_CAP)
     engine.start()
     try:
@@ -184,9 +198,13 @@ def summarize(
     return out
 
 
-def _outputs(items: list[Item], answers: list[Answer]) -> list[list[str]]:
-    """[pair, source, output, finish] per item: the raw material of the figures."""
-    return [[it.pair, it.source, a.text, a.finish] for it, a in zip(items, answers, strict=True)]
+def _outputs(items: list[Item], answers: list[Answer]) -> list[list[Any]]:
+    """[pair, source, output, finish, flagged, tokens, cap] per item: the raw material of the
+    figures (`--stored` reads them back)."""
+    return [
+        [it.pair, it.source, a.text, a.finish, a.flagged, a.tokens, a.cap]
+        for it, a in zip(items, answers, strict=True)
+    ]
 
 
 def _commit() -> str:
@@ -198,14 +216,62 @@ def _commit() -> str:
         return "unknown"
 
 
-def run(models: list[str], variants: list[str], limit: int, threads: int) -> dict[str, Any]:
+def _stored_answer(row: list[Any]) -> Answer:
+    """An `_outputs` row back as an Answer; files written before the flag and token columns
+    (4 columns) read as unflagged, 0 tokens."""
+    if len(row) >= 7:
+        return Answer(row[2], row[3], int(row[5]), int(row[6]), bool(row[4]))
+    return Answer(row[2], row[3], 0, LANGUAGE_CAP, False)
+
+
+def stored_runs(
+    specs: list[str], model: str, items: list[Item]
+) -> tuple[dict[str, list[Answer]], dict[str, Any]]:
+    """`VARIANT=PATH` specs: that variant's answers for these items from an earlier run's
+    `--out` JSON (any superset of the items, e.g. all pairs), and per variant where it came
+    from (file, commit, seconds, forms, the `after` policy counts of the whole earlier run).
+    A long `before` can run while the `after` prompt is still being chosen, and the two be
+    reported together."""
+    answers: dict[str, list[Answer]] = {}
+    origin: dict[str, Any] = {}
+    for spec in specs:
+        variant, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"--stored {spec!r}: expected VARIANT=PATH")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        run_ = data["models"][model]
+        rows = {(r[0], r[1]): r for r in run_["outputs"][variant]}
+        missing = [it.source for it in items if (it.pair, it.source) not in rows]
+        if missing:
+            raise SystemExit(f"{path}: {len(missing)} items missing, e.g. {missing[0]!r}")
+        answers[variant] = [_stored_answer(rows[(it.pair, it.source)]) for it in items]
+        origin[variant] = {
+            "file": path,
+            "commit": f"{data['commit']}{'+dirty' if data.get('dirty') else ''}",
+            "seconds": run_["seconds"].get(variant),
+            "forms": [run_["default_form"], run_["retry_form"]],
+            "policy": run_["after_policy"] if variant == "after" else None,
+        }
+    return answers, origin
+
+
+def run(
+    models: list[str],
+    variants: list[str],
+    limit: int,
+    threads: int,
+    pairs: list[str] | None = None,
+    stored: list[str] | None = None,
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    items = benchmark_items(limit)
+    items = [it for it in benchmark_items(limit) if not pairs or it.pair in pairs]
     out: dict[str, Any] = {
         "machine": machine_info(threads),
         "commit": _commit(),
         "dirty": bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True).stdout),
         "limit": limit,
+        "pairs": pairs or "all",
         "items": len(items),
         "models": {},
     }
@@ -214,12 +280,21 @@ def run(models: list[str], variants: list[str], limit: int, threads: int) -> dic
         answers: dict[str, list[Answer]] = {}
         timing: dict[str, float] = {}
         policy: dict[str, Any] = {}
-        for variant in [v for v in variants if v != "after"] + (
-            ["after"] if "after" in variants else []
-        ):  # the plain runs drive the engine on this thread; `after` starts its loop last
+        origin: dict[str, Any] = {}
+        if stored:
+            answers, origin = stored_runs(stored, model, items)
+        todo = [v for v in variants if v not in answers]
+        forms = (engine.prompts.default_form, engine.prompts.retry_form)
+        for variant in sorted(todo, key=lambda v: v.startswith("after")):
+            # the plain runs drive the engine on this thread; `after` starts its loop last
             t0 = time.perf_counter()
             if variant == "after":
-                answers[variant], policy = run_after(engine, items)
+                answers[variant], own = run_after(engine, items, forms)
+                policy.update(own)
+            elif variant.startswith("after:"):
+                default, _, retry = variant.removeprefix("after:").partition(":")
+                answers[variant], other = run_after(engine, items, (default, retry or forms[1]))
+                policy.setdefault("variants", {})[variant] = other
             else:
                 form = BEFORE_FORM if variant == "before" else variant.removeprefix("form:")
                 answers[variant] = run_plain(engine, items, form)
@@ -228,10 +303,11 @@ def run(models: list[str], variants: list[str], limit: int, threads: int) -> dic
         before = answers.get("before")
         out["models"][model] = {
             "template": engine.prompts.template_name,
-            "default_form": engine.prompts.default_form,
-            "retry_form": engine.prompts.retry_form,
-            "seconds": timing,
-            "after_policy": policy,
+            "default_form": forms[0],
+            "retry_form": forms[1],
+            "seconds": timing | {v: o["seconds"] for v, o in origin.items()},
+            "after_policy": policy or (origin.get("after") or {}).get("policy") or {},
+            "stored": origin,
             "variants": {
                 v: summarize(items, a, before if v != "before" else None)
                 for v, a in answers.items()
@@ -247,9 +323,21 @@ def main() -> None:
     ap.add_argument("--variants", type=parse_csv, default=["before", "after"])
     ap.add_argument("--limit", type=int, default=400, help="BConTrasT turns; as many others")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--pairs",
+        type=parse_csv,
+        default=None,
+        help="only these pairs (en-fr,...), e.g. those whose prompt changed; default: all",
+    )
+    ap.add_argument(
+        "--stored",
+        type=parse_csv,
+        default=None,
+        help="VARIANT=PATH,...: that variant's answers from an earlier run's JSON, not run again",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = run(args.models, args.variants, args.limit, args.threads)
+    result = run(args.models, args.variants, args.limit, args.threads, args.pairs, args.stored)
     write_json(result, args.out)
     brief = {
         m: {v: s for v, s in r["variants"].items()} | {"seconds": r["seconds"]}

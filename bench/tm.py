@@ -223,6 +223,92 @@ def resident_memory(workdir: Path, name: str) -> dict[str, Any]:
     return out
 
 
+_MEMORY_CHILD = """
+import json, sys, faiss, numpy as np
+def status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+path, mode, nprobe, queries, ids_out = sys.argv[1:6]
+queries = np.load(queries)
+faiss.omp_set_num_threads(1)
+before = status()
+index = faiss.read_index(path, faiss.IO_FLAG_MMAP if mode == "mmap" else 0)
+index.nprobe = int(nprobe)
+loaded = status()
+ids = np.stack([index.search(q[None, :], 10)[1][0] for q in queries])
+searched = status()
+np.save(ids_out, ids)
+grow = lambda after: {k: after[k] - before[k] for k in after}
+print(json.dumps({"after_load": grow(loaded), "after_queries": grow(searched)}))
+"""
+
+
+def memory_study(flat_path: Path, queries_path: Path, workdir: Path) -> dict[str, Any]:
+    """Resident memory of the IVF-PQ index `tolk tm build` writes for the vectors of a flat
+    index written by this benchmark (`--keep-indexes`), memory-mapped vs fully read, at
+    several nprobe: total RSS growth and its split into private (RssAnon) and file-backed
+    (RssFile: page-cache pages of the mapped file, shared by every process that maps it and
+    dropped under memory pressure), recall@10 against exact search, and how much of the
+    inverted lists the queries' probes cover (the pages a memory map has to bring in)."""
+    import faiss
+
+    from workers.tm.phrase_index import choose_params, train_index
+
+    flat = faiss.read_index(str(flat_path))
+    vectors = flat.reconstruct_n(0, flat.ntotal)
+    queries = np.load(queries_path).astype(np.float32)
+    params = choose_params(len(vectors), vectors.shape[1], kind="ivfpq")
+    started = time.perf_counter()
+    index = train_index(vectors, params)
+    build_s = time.perf_counter() - started
+    path = workdir / "memory.ivfpq.faiss"
+    faiss.write_index(index, str(path))
+    exact = np.argsort(-(queries @ vectors.T), axis=1)[:, :10]
+    lists: Any = faiss.extract_index_ivf(index).invlists
+    sizes = np.array([lists.list_size(i) for i in range(index.nlist)])
+    list_bytes = sizes * (index.code_size + 8)  # PQ code + 64-bit id per vector
+    out: dict[str, Any] = {
+        "vectors": int(flat.ntotal),
+        "queries": len(queries),
+        "params": [params.nlist, params.m, params.nbits, params.nprobe],
+        "build_s": round(build_s, 1),
+        "index_bytes": path.stat().st_size,
+        "inverted_list_bytes": int(list_bytes.sum()),
+        "rows": [],
+    }
+    for nprobe in sorted({8, 16, params.nprobe}):
+        _, probed = index.quantizer.search(queries, nprobe)
+        touched = np.unique(probed)
+        row: dict[str, Any] = {
+            "nprobe": nprobe,
+            "lists_touched": f"{len(touched)}/{index.nlist}",
+            "list_bytes_touched": int(list_bytes[touched].sum()),
+        }
+        for mode in ("mmap", "full"):
+            ids_path = workdir / f"ids-{mode}-{nprobe}.npy"
+            result = subprocess.run(
+                [sys.executable, "-c", _MEMORY_CHILD, str(path), mode, str(nprobe),
+                 str(queries_path), str(ids_path)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            row[mode] = json.loads(result.stdout)
+            ids = np.load(ids_path)
+            row["recall_at_10"] = round(
+                float(
+                    np.mean([len(set(a) & set(e)) / 10 for a, e in zip(ids, exact, strict=True)])
+                ),
+                4,
+            )
+        out["rows"].append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
 def sweep(name: str, vectors: np.ndarray, args: argparse.Namespace, workdir: Path) -> list[Any]:
     """IVF-PQ variants around the chosen parameters (for tuning; all reported)."""
     from dataclasses import replace
@@ -263,12 +349,32 @@ def main() -> None:
         help="npz of embeddings to reuse across runs (written if missing)",
     )
     parser.add_argument("--sweep", action="store_true", help="also a parameter grid")
+    parser.add_argument(
+        "--keep-indexes", type=Path, default=None, help="write the indexes here (kept)"
+    )
+    parser.add_argument(
+        "--memory-study",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only the resident-memory study of DIR/all.flat.faiss (from --keep-indexes)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     import faiss
 
     faiss.omp_set_num_threads(1)
+    if args.memory_study is not None:
+        with tempfile.TemporaryDirectory(prefix="tolk-bench-tm-") as tmp:
+            study = memory_study(
+                args.memory_study / "all.flat.faiss", args.memory_study / "all.queries.npy",
+                Path(tmp),
+            )  # fmt: skip
+        memory = {"benchmark": "tm_memory", "machine": machine_info(threads=1), **study}
+        print(json.dumps(memory, indent=2))
+        write_json(memory, args.out)
+        return
     corpus = parallel_corpus()
     if args.pairs:
         wanted = {tuple(p.split("-", 1)) for p in args.pairs.split(",")}
@@ -290,7 +396,8 @@ def main() -> None:
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="tolk-bench-tm-") as tmp:
-        workdir = Path(tmp)
+        workdir = args.keep_indexes or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for (src, tgt), texts in corpus.items():
             vectors = np.stack([vectors_of[t] for t in texts]).astype(np.float32)
             row = measure(f"{src}-{tgt}", vectors, args.queries, args.k, args.seed, workdir)

@@ -5,7 +5,8 @@ the pattern of `workers.protected_engine`. Per request (`submit_translation`, on
 poll thread):
 
 1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the wrappers
-   inside, runtime variant), prompt-set version, languages, normalized text. Texts longer than
+   inside with their `key_note`s, runtime variant), prompt-set version, the engine's default
+   prompt form, languages, normalized text. Texts longer than
    `max_text_chars` bypass the cache (straight to the engine, no note).
 2. L1 (`workers.tm.lru_k.LanguageLRUK`, in this process), then L2 (`workers.tm.redis_cache`,
    Redis behind a circuit breaker). A hit returns a handle already resolved: status OK (STOP),
@@ -60,7 +61,7 @@ from workers.tm.cache_policy import CACHE_NOTE, is_cacheable
 from workers.tm.lru_k import LanguageLRUK
 from workers.tm.redis_cache import CacheBreaker, CacheUnavailable, TranslationStore
 
-__all__ = ["CachingEngine", "engine_fingerprint", "with_translation_cache"]
+__all__ = ["CachingEngine", "engine_fingerprint", "engine_prompt_form", "with_translation_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,28 @@ def engine_fingerprint(engine: TranslationEngine, variant: str = "") -> str:
     chain: list[str] = []
     node: Any = engine
     while node is not None and len(chain) < 16:
-        chain.append(type(node).__name__)
+        # a wrapper whose output depends on its own settings says so in `key_note` (the
+        # retrieved-examples wrapper: k and a digest of its TM, workers/tm_engine.py)
+        note = getattr(node, "__dict__", {}).get("key_note")
+        chain.append(type(node).__name__ + (f"[{note}]" if note else ""))
         node = getattr(node, "__dict__", {}).get("inner")
     return f"{engine.model_version}|{'>'.join(chain)}|{variant}"
+
+
+def engine_prompt_form(engine: TranslationEngine) -> str:
+    """The default prompt form of the engine at the end of the wrapper chain (an `Engine`'s
+    `prompts.default_form`, or that of the `Engine` a `FairEngine` holds); "" without one."""
+    node: Any = engine
+    for _ in range(16):
+        inner = getattr(node, "__dict__", {}).get("inner")
+        if inner is None:
+            break
+        node = inner
+    for candidate in (node, getattr(node, "engine", None)):
+        form = getattr(getattr(candidate, "prompts", None), "default_form", None)
+        if isinstance(form, str):
+            return form
+    return ""
 
 
 class CachingEngine(EngineWrapper):
@@ -132,6 +152,7 @@ class CachingEngine(EngineWrapper):
         self.inner = inner
         self.fingerprint = engine_fingerprint(inner, variant)
         self.prompt_set_version = prompt_set_version
+        self.prompt_form = engine_prompt_form(inner)  # an EngineConfig.prompt_form override
         self.max_text_chars = max_text_chars
         self._metrics = metrics
         self.l1: LanguageLRUK[str] = LanguageLRUK(l1_capacity, l1_shares, self._evicted)
@@ -198,6 +219,7 @@ class CachingEngine(EngineWrapper):
             source_lang=source_lang,
             target_lang=target_lang,
             text=text,
+            prompt_form=self.prompt_form,
         )
         cached = self.l1.get(target_lang, key)
         if cached is not None:

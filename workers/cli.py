@@ -169,6 +169,13 @@ def worker(
             help="Exact-match translation cache, L1 + Redis (default on; TOLK_CACHE=0: off).",
         ),
     ] = None,
+    context: Annotated[
+        bool,
+        typer.Option(
+            "--context/--no-context",
+            help="Earlier turns of the conversation in the prompt (TOLK_CONTEXT_TOKENS budget).",
+        ),
+    ] = False,
     drill_inject_latency: Annotated[
         list[str] | None,
         typer.Option(help="DRILL, a canary made slow: lang:fraction:ms (workers/drill_engine.py)."),
@@ -177,6 +184,14 @@ def worker(
         list[str] | None,
         typer.Option(help="DRILL, a canary made to fail: lang:fraction."),
     ] = None,
+    tm_examples: Annotated[
+        int,
+        typer.Option(help="Retrieved examples: the K nearest TM pairs in each prompt (0 = off)."),
+    ] = 0,
+    tm_dir: Annotated[
+        Path,
+        typer.Option(envvar="TOLK_TM_DIR", help="The TM directory of --tm-examples (tolk tm)."),
+    ] = Path("tm"),
 ) -> None:
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
     import logging
@@ -189,6 +204,16 @@ def worker(
     )
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
     _check_broker_or_exit(settings)
+    retriever = None
+    if tm_examples > 0:  # issue #15 (workers/tm_engine.py): a bad TM refuses before the model
+        from workers.tm.phrase_index import IndexMismatchError
+        from workers.tm_engine import open_retriever
+
+        try:
+            retriever = open_retriever(tm_dir, tm_examples)
+        except (IndexMismatchError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
 
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
@@ -213,16 +238,21 @@ def worker(
     from workers.engine.types import TranslationEngine
 
     served: TranslationEngine = engine
+    if retriever is not None:  # innermost: it builds the engine's requests with the examples
+        from workers.tm_engine import RetrievedExamplesEngine
+
+        served = RetrievedExamplesEngine(engine, retriever)
     checked = None
-    if faithful_checks:  # issue #18 (workers/faithful_engine.py): innermost, its retry needs
+    if faithful_checks:  # issue #18 (workers/faithful_engine.py): next, its retry needs
         from workers.faithful_engine import faithful  # the engine's prompt forms
 
         max_new = max((p.max_new_tokens for p in policies.values()), default=256)
-        served = checked = faithful(engine, default_max_new_tokens=max_new)
+        served = checked = faithful(served, default_max_new_tokens=max_new)
     if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
         from workers.protected_engine import protect_spans as with_protected_spans
 
         served = with_protected_spans(served)
+    uncached = served  # what a contextual turn goes through: everything but the cache
     if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
         from workers.cache_engine import with_translation_cache
 
@@ -231,10 +261,26 @@ def worker(
         from workers.drill_engine import with_drills
 
         served = with_drills(served, drill_inject_latency or (), drill_inject_errors or ())
+    if context:  # issue #15 (workers/context_engine.py): outermost, the worker hands it the
+        from workers.context_engine import with_conversation_context  # conversation id
+
+        served = with_conversation_context(
+            served,
+            base=engine.engine,
+            uncached=uncached,
+            budget_tokens=settings.context_tokens,
+            idle_s=settings.context_idle_s,
+        )
     runner = Worker(settings, served)
     if checked is not None:
         checked.bind_metrics(runner.metrics)  # the worker binds only the outermost wrapper
-    runner.run()
+    from confluent_kafka import KafkaException
+
+    try:
+        runner.run()
+    except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
+        typer.echo(f"error: fatal Kafka error, worker stopped: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _arms_target(bootstrap: str | None) -> tuple[Any, str]:

@@ -23,6 +23,7 @@ hands them over and deals with what comes back, on the worker's poll thread:
 
 from __future__ import annotations
 
+import inspect
 import queue
 import time
 from collections.abc import Callable
@@ -69,6 +70,10 @@ class EngineRuns:
         self.inflight: dict[str, InFlight] = {}  # request id -> the request in the engine
         self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
         self._retries = EngineRetries(settings.max_attempts)
+        # an engine with conversation context (workers/context_engine.py) takes the id
+        self._pass_conversation = (
+            "conversation_id" in inspect.signature(engine.submit_translation).parameters
+        )
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class EngineRuns:
             req.get("deadline"), now_ms=self._now_ms(), now_monotonic=time.monotonic()
         )
         policy = self.settings.policy(rec.lang)
+        conversation = {"conversation_id": req.get("conversation_id") or None}
         try:
             handle = self.engine.submit_translation(
                 request_id=rid,
@@ -100,6 +106,7 @@ class EngineRuns:
                 target_lang=str(req["target_lang"]),
                 deadline=deadline,
                 max_new_tokens=policy.max_new_tokens if policy else None,
+                **(conversation if self._pass_conversation else {}),
             )
         except Exception as exc:
             unsupported = isinstance(exc, UnsupportedLanguage)

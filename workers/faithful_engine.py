@@ -10,12 +10,13 @@ Flow of one request:
    outside [0.3, 3], an n-gram loop, or a stop at the guard's cap (the guard was tighter than
    `max_new_tokens` and generation reached it). Nothing found: the answer goes out unchanged.
 3. Something found: the text is translated once more under `<id>~faithful`, same deadline and
-   cap, with the template's retry form (`prompts.json` `retry_form`: another example set, so
-   not the same example to copy; zero-shot made the base model copy or answer the source,
-   docs/PROMPTS.md), if the inner engine takes `prompt_form`. A clean retry is the answer (outcome
-   `retried`); otherwise the better of the two (fewer and milder problems; a leak is the worst)
-   goes out flagged (outcome `flagged`). Without retries (`retry=False`) a suspect answer is
-   flagged at once.
+   cap, with the template's retry form (`prompts.json` `retry_form`, `short_mix8` for both
+   templates: for Gemma 3 another example set, so not the same example to copy; for SmolLM2
+   the same examples without the per-turn instruction of its default; zero-shot made the base
+   model copy or answer the source, docs/PROMPTS.md), if the inner engine takes `prompt_form`.
+   A clean retry is the answer (outcome `retried`); otherwise the better of the two (fewer and
+   milder problems; a leak is the worst) goes out flagged (outcome `flagged`). Without retries
+   (`retry=False`) a suspect answer is flagged at once.
 
 Every suspect answer's reply says so in `GenerationResult.notes` (-> the reply's `metadata`):
 `tolk.faithful` = the outcome, `tolk.faithful.first` = what the first run's checks found

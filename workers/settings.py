@@ -122,6 +122,8 @@ class Settings:
     cache_enabled: bool = True  # exact-match translation cache in front of the engine
     cache_l1_entries: int = 20_000  # L1 capacity, all languages together
     cache_ttl: TtlTiers = field(default_factory=lambda: parse_ttl_tiers(""))  # L2 TTL per lang
+    context_tokens: int = 256  # `--context`: history token budget per prompt (workers/context.py)
+    context_idle_s: float = 600.0  # `--context`: a conversation's history kept this long idle
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -148,6 +150,9 @@ class Settings:
             raise ValueError(f"burst_tokens must be >= 0, got {self.burst_tokens!r}")
         if self.cache_l1_entries < 1:
             raise ValueError(f"cache_l1_entries must be >= 1, got {self.cache_l1_entries!r}")
+        if self.context_tokens < 0 or not self.context_idle_s > 0:
+            bad = f"context_tokens={self.context_tokens!r}, context_idle_s={self.context_idle_s!r}"
+            raise ValueError(f"need context_tokens >= 0 and context_idle_s > 0: {bad}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
         if not 0 <= self.health_port <= 65535:
@@ -249,6 +254,7 @@ class Settings:
             "MAX_ATTEMPTS": "max_attempts",
             "REPLY_ATTEMPTS": "reply_attempts",
             "DELIVERY_TIMEOUT_MS": "delivery_timeout_ms",
+            "CONTEXT_TOKENS": "context_tokens",
         }
         for env_name, attr in int_fields.items():
             value = get(env_name)
@@ -267,6 +273,7 @@ class Settings:
         for env_name, attr in (
             ("LIVENESS_STALL_S", "liveness_stall_s"),
             ("DRAIN_REFRESH_S", "drain_refresh_s"),
+            ("CONTEXT_IDLE_S", "context_idle_s"),
         ):
             value = get(env_name)
             if value is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -226,6 +227,26 @@ def test_two_arms_never_share_entries() -> None:
     finally:
         a.stop()
         b.stop()
+
+
+def test_engines_on_other_prompt_forms_never_share_entries() -> None:
+    """An `EngineConfig.prompt_form` override changes the translations: it is in the key."""
+    shared = InMemoryTranslationCache()
+
+    def on_form(form: str) -> CachingEngine:
+        inner = FakeEngine()
+        inner.prompts = SimpleNamespace(default_form=form)  # type: ignore[attr-defined]
+        return caching(inner, l2=shared)
+
+    engines = a, b, a_again = on_form("support8"), on_form("zero_shot"), on_form("support8")
+    try:
+        submit(a, "x").result(5)
+        assert a.flush_l2_writes()
+        assert submit(b, "y").result(5).notes["tolk.cache"] == "miss"
+        assert submit(a_again, "z").result(5).notes["tolk.cache"] == "l2"
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def test_counts_go_into_the_worker_metrics() -> None:

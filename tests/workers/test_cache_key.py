@@ -37,6 +37,7 @@ def test_texts_equal_after_normalization_share_a_key() -> None:
     [
         ("engine_fingerprint", "gemma3-270m|FairEngine|arm=B"),
         ("prompt_set_version", "def456"),
+        ("prompt_form", "zero_shot"),  # an EngineConfig.prompt_form override
         ("source_lang", ""),
         ("target_lang", "fr"),
     ],

@@ -86,6 +86,18 @@ def test_a_short_source_needs_a_real_runaway() -> None:
     assert ratio_outlier("A long enough source text", "")  # nothing for something
 
 
+def test_smollm2_chat_replies_to_short_german_turns() -> None:
+    # real SmolLM2-135M-Instruct answers (bench/faithful.py, BConTrasT dev, de -> en): a chat
+    # reply over 3x the source's length is a ratio outlier; one that echoes most of an
+    # example's target is a leak (3.5x its 6-character source, but under the short-source
+    # floor of the ratio check); a chat reply of a translation's length passes every check:
+    # the detectors judge form, not meaning
+    reply = "I'm sorry for the misunderstanding. I'm sorry for any misunderstanding."
+    assert check("Ja, um 19:10 Uhr.", reply, EXAMPLES, "en").problems == ("ratio",)
+    assert check("Hallo,", "Hello, how can I help", EXAMPLES, "en").problems == ("leak",)
+    assert not check("Ja, bitte.", "No worries.", EXAMPLES, "en").suspect
+
+
 # -- loops -------------------------------------------------------------------------------------
 
 

@@ -38,12 +38,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kernels.attention import AttentionMetadata
 from workers.engine.compiled import CompiledDecode
+from workers.engine.cuda_graphs import CudaGraphDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
 from workers.engine.engine_snapshot import EngineSnapshot, snapshot_engine
 from workers.engine.fcfs import FCFSRequestQueue
@@ -117,6 +118,17 @@ class Engine:
             if self.config.compile_decode
             else None
         )
+        # CUDA only (issue #17): the Triton kernels swapped in, decode steps as CUDA graphs
+        self.graphs: CudaGraphDecode | None = None
+        if self.device.type == "cuda" and self.config.triton_kernels:
+            from workers.engine.triton_swaps import apply_triton_kernels
+
+            apply_triton_kernels(self.model)  # in place, idempotent (see triton_swaps.py)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self.graphs = CudaGraphDecode(
+                self.model, bs, self.config.max_model_len,
+                max_batch=self.config.max_num_seqs, use_triton=self.config.triton_kernels,
+            )  # fmt: skip
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_seqs,
@@ -149,6 +161,9 @@ class Engine:
         # Read by the worker's probes (workers/health.py), written by one thread each:
         self.loop_heartbeat: float | None = None  # monotonic time the loop last came round
         self.warmed_languages: set[str] = set()  # languages whose prompt prefix warm() cached
+        # (request id, prompt form) -> conversation history ids that go right after the
+        # prompt's prefix (workers/context_engine.py installs it); None: no history
+        self.prompt_history: Callable[[str, str | None], Sequence[int] | None] | None = None
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
@@ -164,6 +179,9 @@ class Engine:
             with prepared.bound(engine.kv_pools):  # warm-up writes the null block of its pools
                 engine.compiled.warm_up()
             release_openmp_pool()
+        if engine.graphs is not None:
+            with prepared.bound(engine.kv_pools):  # captured with this engine's pools bound
+                engine.graphs.warm_up()
         return engine
 
     # -- submission (any thread) -----------------------------------------------------------
@@ -213,10 +231,17 @@ class Engine:
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
         prompt_form: str | None = None,
+        examples: Sequence[tuple[str, str]] = (),
     ) -> GenerationRequest:
         """`prompt_form`: a form of prompts.json (None: the engine's default form); the
-        faithfulness wrapper retries a suspect translation with the template's retry form."""
-        ids, _ = self.prompts.build(text, source_lang, target_lang, prompt_form)
+        faithfulness wrapper retries a suspect translation with the template's retry form.
+        `examples`: (source, target) pairs after the cached prefix, before the query (the
+        retrieved translation-memory examples of workers/tm_engine.py)."""
+        ids, prefix_len = self.prompts.build(text, source_lang, target_lang, prompt_form, examples)
+        hook = self.prompt_history
+        history = hook(request_id, prompt_form) if hook is not None and request_id else None
+        if history:  # the conversation so far, between the cached prefix and the rest
+            ids[prefix_len:prefix_len] = history
         stop_nl = self.prompts.stop_rules.stop_at_newline and not ignore_eos
         params = SamplingParams(
             max_new_tokens=max_new_tokens or self.config.max_new_tokens,
@@ -352,6 +377,10 @@ class Engine:
             )
         compiled = self.compiled
         decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
+        if self.graphs is not None and decode_only:
+            picked = self._run_graph(self.graphs, out)
+            if picked is not None:
+                return picked
         if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
             return self._run_compiled(compiled, out)
         ids: list[int] = []
@@ -399,6 +428,23 @@ class Engine:
             },
         )
         return self.sampler.sample(seqs, logits, greedy)
+
+    def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
+        """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket
+        (then it runs eagerly)."""
+        seqs = [c.seq for c in out.chunks]
+        got = graphs(
+            [c.seq.token_ids[c.start] for c in out.chunks],
+            [c.start for c in out.chunks],
+            {
+                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
+                for g in self.kv.groups
+            },
+        )
+        if got is None:
+            return None
+        self.stats.graph_steps += 1
+        return self.sampler.sample(seqs, *got)  # the argmax's .tolist(): the step's one sync
 
     def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
         p = seq.request.params

@@ -9,7 +9,11 @@ its requests (and the engine warms at start-up).
 A *prompt form* (`forms` in the JSON) says which named example set the prefix shows, how many
 of its examples, and which instruction line: `support8` (the form before issue #18, whose
 "Thank you for your patience ..." example Gemma 3 copied as the translation of "Thanks"),
-`short_mix8` (short chat turns among the sentences), `zero_shot` (no examples), ... Each
+`short_mix8` (short chat turns among the sentences), `zero_shot` (no examples), ... A form may
+also name a `layout` (where the source sits in a turn: the template's `example_<layout>` and
+`query_<layout>`, e.g. SmolLM2's `instructed` turns that repeat "Translate this German text
+into English:" before every source) and `examples_by_target` (another example set for one
+target language, leaving every other language's prompt as it was). Each
 template has a default form and a retry form (`default_form`, `retry_form`): the faithfulness
 wrapper (`workers/faithful_engine.py`) retries a suspect translation once with the retry form.
 `build(..., form=)` takes any form; each (form, target language) prefix is cached apart.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -134,22 +139,28 @@ class PromptBuilder:
             known = ", ".join(self._forms)
             raise ValueError(f"unknown prompt form {name!r} (known: {known})") from None
 
-    def examples(self, form: str | None = None) -> list[dict[str, str]]:
-        """The examples (language -> text) the prefix of `form` shows, in order."""
+    def examples(
+        self, form: str | None = None, target_lang: str | None = None
+    ) -> list[dict[str, str]]:
+        """The examples (language -> text) the prefix of `form` shows, in order; a form's
+        `examples_by_target` gives one target language another set (the others' prompts stay
+        byte for byte the same)."""
         f = self._form(form)
-        if not f.get("examples"):
+        name = f.get("examples_by_target", {}).get(target_lang or "", f.get("examples"))
+        if not name:
             return []
-        return self._example_sets[f["examples"]][: int(f.get("max_examples", 8))]
+        return self._example_sets[name][: int(f.get("max_examples", 8))]
 
     def prefix_text(self, target_lang: str, form: str | None = None) -> str:
         tgt_name = self._name(target_lang)
         instruction = self._form(form).get("instruction")
         prefix = self._t[f"prefix_{instruction}"] if instruction else self._t["prefix"]
         parts = [prefix.format(tgt_name=tgt_name)]
-        examples = self.examples(form)
+        examples = self.examples(form, target_lang)
+        example_template = self._layout_part("example", form)
         for example, src in zip(examples, self._example_sources[target_lang], strict=False):
             parts.append(
-                self._t["example"].format(
+                example_template.format(
                     src_name=self.language_names[src],
                     tgt_name=tgt_name,
                     src_text=example[src],
@@ -158,10 +169,20 @@ class PromptBuilder:
             )
         return "".join(parts)
 
-    def query_text(self, text: str, source_lang: str, target_lang: str) -> str:
+    def _layout_part(self, part: str, form: str | None) -> str:
+        """The template's `part` ("example" or "query") in the form's layout: a form with
+        `"layout": "NAME"` uses the template's `part_NAME` (where the source sits in the turn)."""
+        layout = self._form(form).get("layout")  # a template without it keeps its own
+        return str(self._t.get(f"{part}_{layout}", self._t[part]) if layout else self._t[part])
+
+    def query_text(
+        self, text: str, source_lang: str, target_lang: str, form: str | None = None
+    ) -> str:
         src_name = self._name(source_lang) if source_lang else "Text"
         tgt_name = self._name(target_lang)
-        return self._t["query"].format(src_name=src_name, tgt_name=tgt_name, text=text)
+        return self._layout_part("query", form).format(
+            src_name=src_name, tgt_name=tgt_name, text=text
+        )
 
     def prefix_ids(self, target_lang: str, form: str | None = None) -> list[int]:
         key = (form or self.default_form, target_lang)
@@ -174,16 +195,64 @@ class PromptBuilder:
             self._prefix_cache[key] = ids
         return ids
 
+    def retrieved_examples_text(
+        self,
+        examples: Sequence[tuple[str, str]],
+        source_lang: str,
+        target_lang: str,
+        form: str | None = None,
+    ) -> str:
+        """Request-specific (source, target) examples, e.g. the nearest translation-memory
+        pairs (`workers/tm_engine.py`), in the form's example layout. They go between the
+        cached prefix and the query, in the order given (the tm wrapper puts the nearest last)."""
+        src_name = self._name(source_lang) if source_lang else "Text"
+        tgt_name = self._name(target_lang)
+        template = self._layout_part("example", form)
+        return "".join(
+            template.format(src_name=src_name, tgt_name=tgt_name, src_text=src, tgt_text=tgt)
+            for src, tgt in examples
+        )
+
     def build(
-        self, text: str, source_lang: str, target_lang: str, form: str | None = None
+        self,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        form: str | None = None,
+        examples: Sequence[tuple[str, str]] = (),
     ) -> tuple[list[int], int]:
         """Token ids of the full prompt and the length of its shareable prefix; `form`: a
-        prompt form of `prompts.json` (None: this builder's default form)."""
+        prompt form of `prompts.json` (None: this builder's default form); `examples`:
+        (source, target) pairs shown after the prefix, before the query (tokenized on their
+        own, so the prefix's ids and its prefix-cache blocks stay those of every request)."""
         prefix = self.prefix_ids(target_lang, form)
+        retrieved: list[int] = []
+        if examples:
+            retrieved = self.tokenizer.encode(
+                self.retrieved_examples_text(examples, source_lang, target_lang, form),
+                add_special_tokens=False,
+            )
         query = self.tokenizer.encode(
-            self.query_text(text, source_lang, target_lang), add_special_tokens=False
+            self.query_text(text, source_lang, target_lang, form), add_special_tokens=False
         )
-        return [*prefix, *query], len(prefix)
+        return [*prefix, *retrieved, *query], len(prefix)
+
+    def answer_frame(self, form: str | None = None) -> tuple[str, str] | None:
+        """(lead, end): what the form's example turn puts before and after the answer that
+        its query leaves open, e.g. (" ", "\\n\\n") for the few-shot template and
+        ("", "<|im_end|>\\n") for ChatML. A finished turn shown as conversation history
+        (`workers/context.py`) is its query's ids, the answer's ids and then `end`, so the next
+        prompt starts with the previous prompt and its generated answer. None when the
+        example does not begin with the query (a layout that puts the source elsewhere)."""
+        marks = {"src_name": "\x00S", "tgt_name": "\x00T"}
+        example = self._layout_part("example", form).format(
+            **marks, src_text="\x01", tgt_text="\x02"
+        )
+        query = self._layout_part("query", form).format(**marks, text="\x01")
+        if not example.startswith(query) or "\x02" not in example[len(query) :]:
+            return None
+        lead, _, end = example[len(query) :].partition("\x02")
+        return lead, end
 
     def finish_text(self, generated: str) -> str:
         """Cut decoded output at the stop rule and trim the space the template leaves."""

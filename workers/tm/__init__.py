@@ -8,6 +8,7 @@
 * The phrase index of retrieved examples: `formats` (TMX / TSV / replay JSONL readers into
   `TMPair`), `store` (the TM directory), `embed` (all-MiniLM-L6-v2), `phrase_index` (faiss
   IVF-PQ per language pair, memory-mapped), `cli` (`tolk tm import|build|query|status`).
+  `workers.tm_engine.RetrievedExamplesEngine` puts the nearest pairs into each prompt.
 
 The cache's pure modules (`cache_key`, `cache_policy`, `lru_k`) import no Kafka, Redis, torch,
 metrics or worker code; `redis_cache` imports redis only when a `RedisTranslationCache` is

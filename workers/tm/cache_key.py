@@ -8,6 +8,11 @@ text for both, so the key holds everything that decides the output:
   weights); `CachingEngine` builds it (`engine_fingerprint`);
 * the prompt-set version (`workers.engine.prompts.prompt_set_version()`: a hash of
   `prompts.json`), so editing a template or its examples retires every entry at once;
+* the prompt form the engine uses by default (`EngineConfig.prompt_form`, resolved to the
+  form's name by the engine's `PromptBuilder.default_form`; "" for an engine without one):
+  the same prompts.json with another form (other examples, zero-shot) gives other
+  translations, so an engine started with a `prompt_form` override never shares entries with
+  one on the template's default (`CachingEngine` looks it up, `engine_prompt_form`);
 * the source and the target language ("" = detect is a value of its own);
 * the text, normalized: Unicode NFC (a composed and a decomposed "ü" are one text) and runs
   of whitespace collapsed to one space, the ends stripped. Case is kept: "ok" and "OK" may
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 
 __all__ = ["KEY_SCHEMA", "CacheKey", "cache_key", "normalize_text"]
 
-KEY_SCHEMA = "1"  # bump when the key's fields or their encoding change
+KEY_SCHEMA = "2"  # bump when the key's fields or their encoding change (2: the prompt form)
 _SEPARATOR = "\x1f"  # unit separator: never in a language code or a fingerprint
 _WHITESPACE = re.compile(r"\s+")
 
@@ -57,12 +62,15 @@ def cache_key(
     source_lang: str,
     target_lang: str,
     text: str,
+    prompt_form: str = "",
 ) -> CacheKey:
-    """The key of translating `text` from `source_lang` to `target_lang` with that engine."""
+    """The key of translating `text` from `source_lang` to `target_lang` with that engine;
+    `prompt_form`: the engine's default prompt form ("" when it has none)."""
     fields = (
         KEY_SCHEMA,
         engine_fingerprint,
         prompt_set_version,
+        prompt_form,
         source_lang,
         target_lang,
         normalize_text(text),

@@ -1,0 +1,293 @@
+"""Conversation context (workers/context.py, workers/context_engine.py): the history window and
+its budget, the order spoken, idle expiry, the growing-prefix property of the prompts on the
+real Gemma 3 tokenizer, and the exact-match cache never answering a contextual turn.
+
+The real engine's prefix-cache hit for turn k+1 is in test_context_real_engine.py (slow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.workers.fakes import FakeEngine, fake_translation
+from workers.cache_engine import CachingEngine
+from workers.context import ConversationMemory, RecordedTurn, advance_window, render_turn
+from workers.context_engine import CONTEXT_NOTE, ContextEngine
+from workers.engine.prompts import PromptBuilder
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.tm.redis_cache import InMemoryTranslationCache
+
+# -- the window -----------------------------------------------------------------------------
+
+
+def test_window_stays_put_while_the_history_fits_the_budget() -> None:
+    assert advance_window([30, 40, 50], 0, budget=120, low_water=60) == 0
+    assert advance_window([30, 40, 50], 1, budget=120, low_water=60) == 1
+
+
+def test_window_over_budget_drops_oldest_turns_down_to_the_low_water_mark() -> None:
+    # 30+40+50+60 = 180 > 150: drop 30 (150), 40 (110), 50 (60 <= 60) -> start 3
+    assert advance_window([30, 40, 50, 60], 0, budget=150, low_water=60) == 3
+    # with the low water at the budget only the oldest goes
+    assert advance_window([30, 40, 50, 60], 0, budget=150, low_water=150) == 1
+
+
+def test_a_turn_longer_than_the_budget_never_enters_the_history() -> None:
+    assert advance_window([10, 500], 0, budget=100, low_water=50) == 2
+    assert advance_window([10], 0, budget=0, low_water=0) == 1
+
+
+# -- the memory -----------------------------------------------------------------------------
+
+
+def _turn(seq: int, n: int, text: str = "") -> RecordedTurn:
+    return RecordedTurn(seq, "de", "en", text or f"t{seq}", f"a{seq}", tuple([seq] * n))
+
+
+def test_history_is_in_the_order_spoken_even_when_turns_finish_out_of_order() -> None:
+    memory = ConversationMemory(1000)
+    seqs = [memory.begin_turn("c").seq for _ in range(3)]
+    assert seqs == [0, 1, 2]
+    memory.record("c", _turn(2, 1))
+    memory.record("c", _turn(0, 1))
+    memory.record("c", _turn(1, 1))
+    assert [t.seq for t in memory.history("c")] == [0, 1, 2]
+    start = memory.begin_turn("c")
+    assert start.seq == 3 and start.turns == 3 and start.history_ids == [0, 1, 2]
+
+
+def test_history_budget_cuts_to_low_water_then_grows_again_as_a_prefix() -> None:
+    memory = ConversationMemory(100, low_water_tokens=50)
+    shown: list[list[int]] = []
+    for _ in range(6):
+        start = memory.begin_turn("c")
+        shown.append(start.history_ids)
+        memory.record("c", _turn(start.seq, 30))
+    lengths = [len(ids) for ids in shown]
+    assert lengths == [0, 30, 60, 90, 30, 60]  # 4 turns = 120 > 100: cut to 30 <= 50
+    assert all(len(ids) <= 100 for ids in shown)
+    # between cuts each prompt's history extends the previous one (the growing prefix)
+    for before, after in ((shown[1], shown[2]), (shown[2], shown[3]), (shown[4], shown[5])):
+        assert after[: len(before)] == before
+    assert shown[4] == [3] * 30  # after the cut: the newest turn only
+
+
+def test_unknown_and_idle_conversations_have_no_history() -> None:
+    now = [0.0]
+    memory = ConversationMemory(100, idle_s=60, clock=lambda: now[0])
+    assert memory.begin_turn("new").history_ids == []
+    memory.record("c", _turn(0, 5))
+    now[0] = 59.0
+    assert memory.begin_turn("c").turns == 1  # touched at 59
+    now[0] = 59.0 + 61.0
+    start = memory.begin_turn("c")
+    assert start.turns == 0 and start.history_ids == [] and memory.expired >= 1
+
+
+def test_at_most_max_conversations_least_recently_used_dropped_first() -> None:
+    memory = ConversationMemory(100, max_conversations=2)
+    for cid in ("a", "b"):
+        memory.record(cid, _turn(0, 3))
+    memory.begin_turn("a")  # a is now the most recent
+    memory.record("c", _turn(0, 3))
+    assert memory.history("b") == []
+    assert len(memory.history("a")) == 1 and len(memory.history("c")) == 1
+
+
+# -- prompts on the real tokenizer ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_prompts() -> PromptBuilder:
+    from transformers import AutoTokenizer
+
+    from workers.engine.loader import checkpoint_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir("gemma3-270m"))
+    return PromptBuilder(tokenizer, "gemma3", tokenizer.bos_token_id, {tokenizer.eos_token_id})
+
+
+class PromptEngine:
+    """A base engine that builds prompts as `Engine.translation_request` does (prefix,
+    history from the `prompt_history` hook, query) and answers with fixed "generated" ids."""
+
+    model_version = "prompt-only"
+    languages = ("en", "de")
+
+    def __init__(self, prompts: PromptBuilder, answers: dict[str, str]) -> None:
+        self.prompts = prompts
+        self.prompt_history: Any = None
+        self.answers = answers
+        self.built: dict[str, list[int]] = {}
+        self.generated: dict[str, list[int]] = {}
+
+    def submit_translation(self, *, request_id: str, text: str, source_lang: str,
+                           target_lang: str, deadline: float | None = None,
+                           max_new_tokens: int | None = None) -> RequestHandle:  # fmt: skip
+        ids, prefix_len = self.prompts.build(text, source_lang, target_lang)
+        history = self.prompt_history(request_id, None) if self.prompt_history else None
+        ids[prefix_len:prefix_len] = history or []
+        self.built[request_id] = ids
+        answer = self.answers[text]
+        # what Gemma generates: the answer after the template's space, then a newline token
+        generated = self.prompts.tokenizer.encode(" " + answer + "\n", add_special_tokens=False)
+        self.generated[request_id] = generated
+        handle = RequestHandle(request_id, lambda _rid: None)
+        handle.set_result(
+            GenerationResult(request_id, generated, answer, FinishReason.STOP, len(ids))
+        )
+        return handle
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.prompts.tokenizer.encode(text, add_special_tokens=False))
+
+
+DIALOGUE = [  # (source, source lang, target lang, answer): customer de->en, agent en->de
+    ("Hallo, ich suche ein Restaurant.", "de", "en", "Hello, I am looking for a restaurant."),
+    ("What kind of food do you like?", "en", "de", "Welche Art von Essen mögen Sie?"),
+    ("Etwas Günstiges, bitte.", "de", "en", "Something cheap, please."),
+    ("I found two places for you.", "en", "de", "Ich habe zwei Lokale für Sie gefunden."),
+    ("Ist das erste vegetarisch?", "de", "en", "Is the first one vegetarian?"),
+]
+
+
+def _converse(prompts: PromptBuilder, budget: int = 1000) -> tuple[PromptEngine, list[str]]:
+    base = PromptEngine(prompts, {src: answer for src, _, _, answer in DIALOGUE})
+    ctx = ContextEngine(base, base=base, memory=ConversationMemory(budget))  # type: ignore[arg-type]
+    rids = []
+    for k, (src, s, t, _) in enumerate(DIALOGUE):
+        rid = f"r{k}"
+        ctx.submit_translation(
+            request_id=rid, text=src, source_lang=s, target_lang=t, conversation_id="conv-1"
+        )
+        rids.append(rid)
+    return base, rids
+
+
+def _starts_with(ids: Sequence[int], prefix: Sequence[int]) -> bool:
+    return list(ids[: len(prefix)]) == list(prefix)
+
+
+def test_next_turn_of_a_target_starts_with_the_previous_prompt_and_its_generated_answer(
+    gemma_prompts: PromptBuilder,
+) -> None:
+    base, rids = _converse(gemma_prompts)
+    # turns 0, 2, 4 are de->en (prefix of English), 1, 3 en->de: each chain grows
+    for earlier, later in ((0, 2), (2, 4), (1, 3)):
+        before = base.built[rids[earlier]] + base.generated[rids[earlier]]
+        assert _starts_with(base.built[rids[later]], before), (earlier, later)
+    # the history is in the order spoken: turn 1 (agent) sits between turns 0 and 2
+    text = gemma_prompts.tokenizer.decode(base.built[rids[4]])
+    order = [text.index(src) for src, *_ in DIALOGUE]
+    assert order == sorted(order)
+    assert "German: Welche Art von Essen mögen Sie?\n\n" in text
+    assert text.endswith("German: Ist das erste vegetarisch?\nEnglish:")
+
+
+def test_history_tokens_are_the_separately_tokenized_pieces(gemma_prompts: PromptBuilder) -> None:
+    src, s, t, answer = DIALOGUE[1]
+    generated = gemma_prompts.tokenizer.encode(" " + answer + "\n", add_special_tokens=False)
+    ids = render_turn(gemma_prompts, src, s, t, answer, generated)
+    query = gemma_prompts.tokenizer.encode(
+        gemma_prompts.query_text(src, s, t), add_special_tokens=False
+    )
+    assert ids[: len(query)] == query
+    assert ids[len(query) : len(query) + len(generated)] == generated
+    assert gemma_prompts.tokenizer.decode(ids).endswith(f"German: {answer}\n\n")
+    # no generated ids (a cache hit): the same text, rendered from the answer's text
+    from_text = gemma_prompts.tokenizer.decode(render_turn(gemma_prompts, src, s, t, answer))
+    assert from_text == gemma_prompts.tokenizer.decode(ids)
+
+
+def test_a_budget_keeps_the_prompt_history_within_it(gemma_prompts: PromptBuilder) -> None:
+    budget = 60
+    base, rids = _converse(gemma_prompts, budget=budget)
+    for rid, (src, s, t, _) in zip(rids, DIALOGUE, strict=True):
+        plain, _ = gemma_prompts.build(src, s, t)
+        assert 0 <= len(base.built[rid]) - len(plain) <= budget
+
+
+# -- the exact-match cache --------------------------------------------------------------------
+
+
+def test_cache_never_answers_a_contextual_turn_and_keeps_only_context_free_ones(
+    gemma_prompts: PromptBuilder,
+) -> None:
+    engine = FakeEngine()
+    engine.start()
+    l2 = InMemoryTranslationCache()
+    cache = CachingEngine(engine, l1_capacity=100, l1_shares={"en": 1.0, "de": 1.0}, l2=l2,
+                          prompt_set_version="p1")  # fmt: skip
+    cache.start()
+    base = SimpleNamespace(prompts=gemma_prompts, prompt_history=None)
+    ctx = ContextEngine(cache, base=base, memory=ConversationMemory(500), uncached=engine)
+    try:
+
+        def turn(rid: str, conv: str, text: str) -> GenerationResult:
+            return ctx.submit_translation(
+                request_id=rid, text=text, source_lang="de", target_lang="en",
+                conversation_id=conv,
+            ).result(5)  # fmt: skip
+
+        # conversation A: its first turn has no history (cacheable), then "Danke." in context
+        assert turn("a1", "A", "Hallo.").notes["tolk.cache"] == "miss"
+        in_context = turn("a2", "A", "Danke.")
+        assert "tolk.cache" not in in_context.notes  # straight to the engine
+        assert in_context.notes[CONTEXT_NOTE] == "turns=1"
+        # conversation B says "Danke." first: no history, so the cache may answer; it has no
+        # entry, because A's contextual answer was not kept
+        first_b = turn("b1", "B", "Danke.")
+        assert first_b.notes["tolk.cache"] == "miss"
+        assert engine.submitted.count("a2") == 1 and "b1" in engine.submitted
+        # now a context-free "Danke." is cached; A's next "Danke." still goes to the engine
+        assert turn("b2", "C", "Danke.").notes["tolk.cache"] == "l1"
+        again = turn("a3", "A", "Danke.")
+        assert "tolk.cache" not in again.notes and "a3" in engine.submitted
+        assert again.text == fake_translation("Danke.", "en")
+        assert ctx.counts["contextual"] == 2 and ctx.counts["no_history"] == 3
+    finally:
+        cache.stop()
+        engine.stop()
+
+
+# -- the worker passes the conversation id ------------------------------------------------------
+
+
+def test_worker_hands_the_conversation_id_to_a_context_engine(gemma_prompts: PromptBuilder) -> None:
+    from schemas.codec import encode_request
+    from tests.workers.polling import wait_for
+    from tests.workers.test_worker_fake_engine import make_rig, now_ms
+
+    engine = FakeEngine()
+    base = SimpleNamespace(prompts=gemma_prompts, prompt_history=None)
+    ctx = ContextEngine(engine, base=base, memory=ConversationMemory(500))
+    rig = make_rig(engine=ctx)
+
+    def send(rid: str, conversation: str | None, text: str) -> None:
+        request: dict[str, Any] = {
+            "request_id": rid, "conversation_id": conversation, "source_lang": "en",
+            "target_lang": "de", "text": text, "created_at": now_ms(), "deadline": None,
+            "reply_topic": "tolk.replies", "metadata": {},
+        }  # fmt: skip
+        rig.send(encode_request(request), "de", key=(conversation or rid).encode())
+
+    try:
+        send("t1", "conv-9", "Hello there.")
+        wait_for(lambda: rig.reply_count() == 1, what="first turn answered")
+        send("t2", "conv-9", "How can I help?")
+        send("x1", None, "How can I help?")
+        wait_for(lambda: rig.reply_count() == 3, what="all answered")
+        replies = rig.replies()
+        assert all(r["status"] == "OK" for r in replies.values())
+        assert replies["t2"]["metadata"][CONTEXT_NOTE] == "turns=1"
+        assert CONTEXT_NOTE not in replies["t1"]["metadata"]
+        assert CONTEXT_NOTE not in replies["x1"]["metadata"]
+        assert ctx.counts == {"no_history": 1, "contextual": 1, "no_conversation": 1,
+                              "recorded": 2}  # fmt: skip
+    finally:
+        rig.worker.stop()
+        rig.thread.join(10)

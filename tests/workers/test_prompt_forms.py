@@ -1,0 +1,95 @@
+"""Prompt forms of workers/engine/prompts.json (issue #18's prompt review): a form's `layout`
+(where the source sits in the turn), its `examples_by_target` (another example set for one
+target language only), and the defaults the review chose. Pure: a character tokenizer, no
+model."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.prompts import PromptBuilder, prompt_forms
+
+
+class CharTokenizer:
+    """One token per character; knows the ChatML markers when `chatml` (as SmolLM2's does)."""
+
+    def __init__(self, chatml: bool) -> None:
+        self.vocab = {"<|im_start|>": 1, "<|im_end|>": 2} if chatml else {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def convert_tokens_to_ids(self, tokens: str) -> int | None:
+        return self.vocab.get(tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+@pytest.fixture
+def chatml() -> PromptBuilder:
+    return PromptBuilder(CharTokenizer(chatml=True), "llama", None, {0})
+
+
+@pytest.fixture
+def fewshot() -> PromptBuilder:
+    return PromptBuilder(CharTokenizer(chatml=False), "gemma3", 5, {0})
+
+
+def test_the_instructed_layout_puts_the_instruction_in_every_user_turn(
+    chatml: PromptBuilder,
+) -> None:
+    query = chatml.query_text("Ja, bitte.", "de", "en", form="short_mix8_instructed")
+    assert query == (
+        "<|im_start|>user\nTranslate this German text into English:\nJa, bitte.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prefix = chatml.prefix_text("en", form="short_mix8_instructed")
+    # each of the 8 examples is a user turn with the instruction, then its answer
+    assert prefix.count("Translate this ") == 8
+    assert "text into English:\nGrazie!<|im_end|>" not in prefix  # the sources of target en
+    assert "Translate this German text into English:\nDanke!<|im_end|>\n" in prefix
+    # the plain layout keeps the bare source in the user turn
+    plain = chatml.query_text("Ja, bitte.", "de", "en", form="short_mix8")
+    assert plain == "<|im_start|>user\nJa, bitte.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_build_tokenizes_the_query_in_the_forms_layout(chatml: PromptBuilder) -> None:
+    ids, n_prefix = chatml.build("Okay.", "de", "en", form="short_mix8_instructed")
+    text = CharTokenizer(chatml=True).decode(ids)
+    assert text[n_prefix:].startswith("<|im_start|>user\nTranslate this German text into")
+    assert text.endswith("Okay.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_without_the_layout_keeps_its_own_turns(fewshot: PromptBuilder) -> None:
+    # forms are shared by the templates: the few-shot one has no `instructed` parts
+    assert fewshot.query_text("Okay.", "de", "en", form="short_mix8_instructed") == (
+        "German: Okay.\nEnglish:"
+    )
+    assert fewshot.prefix_text("en", form="short_mix8_instructed") == fewshot.prefix_text(
+        "en", form="short_mix8"
+    )
+
+
+def test_examples_by_target_changes_only_that_targets_prefix(fewshot: PromptBuilder) -> None:
+    form = fewshot.default_form
+    for lang in ("en", "de", "es", "it"):
+        assert fewshot.prefix_text(lang, form) == fewshot.prefix_text(lang, "support_thanks8")
+    french, before = fewshot.prefix_text("fr", form), fewshot.prefix_text("fr", "support_thanks8")
+    assert french != before
+    assert "French: Merci !\n" in before and "French: Merci !\n" not in french
+    assert "French: J'attends une réponse depuis la semaine dernière.\n" in french
+    # the other seven French examples stay where they were
+    assert french.split("\n\n")[:7] == before.split("\n\n")[:7]
+
+
+def test_the_reviewed_defaults() -> None:
+    # docs/PROMPTS.md has the measurements that chose them
+    chat = PromptBuilder(CharTokenizer(chatml=True), "llama", None, {0})
+    few = PromptBuilder(CharTokenizer(chatml=False), "gemma3", 5, {0})
+    assert (chat.default_form, chat.retry_form) == ("short_mix8_instructed", "short_mix8")
+    assert (few.default_form, few.retry_form) == ("support_thanks8_waiting_fr", "short_mix8")
+    assert set(prompt_forms()) >= {"support8", "support_thanks8", "short_mix8_instructed"}

@@ -1,0 +1,196 @@
+"""`ContextEngine`: translate each turn of a conversation with the turns before it in the
+prompt (issue #15, part 3; an arm option, off by default: `tolk worker --context`).
+
+The history itself, its token budget and the growing-prefix layout are `workers/context.py`;
+this wrapper puts them on the request path. It is the outermost wrapper, because the worker
+hands it the request's `conversation_id` (the worker passes the id to an engine whose
+`submit_translation` takes it) and because it decides which requests may see the cache:
+
+1. `submit_translation(..., conversation_id=...)`: the turn gets its place in the order spoken
+   and the conversation's history ids (`ConversationMemory.begin_turn`). No conversation id, or
+   no history known here: the turn goes on as a context-free request through the wrappers it
+   wraps (`inner`, the exact-match cache included: its answer is context-free, so the cache
+   may answer and keep it).
+2. With history, the turn is *contextual*: it bypasses the exact-match cache (the same text in
+   another conversation can translate differently, so a context-free entry must not answer it
+   and its answer must not become one) by going to `uncached`, the chain the cache wraps (the
+   faithfulness guard and span protection still apply). Its history ids wait under its
+   request id until the base engine builds the prompt: the engine's `prompt_history` hook
+   (installed here) puts them between the language prefix and the query. A prompt in another
+   prompt form (the faithfulness retry, under its own request id) gets no history.
+3. When the turn's translation is given (the handle resolves OK), it is recorded as history:
+   its query, and the engine's own generated ids when they are the answer given (else the
+   answer's text, e.g. a cache hit, or spans restored by the protection wrapper), so the next
+   turn of the same target language extends this prompt and hits its KV blocks in the prefix
+   cache (`workers/context.py`, "Growing prefix"). A failed, expired or cancelled turn is not
+   recorded; the conversation goes on without it.
+
+Kept warm: the history for `idle_s` after its last turn (`TOLK_CONTEXT_IDLE_S`); the KV blocks
+of the conversation's prompt stay in the engine's prefix cache as long as its LRU keeps them
+(unreferenced blocks are evicted least recently released first, and only when a new block is
+needed), which `bench/context.py` measures; blocks are not pinned.
+
+Counts (`counts`): `contextual` (history in the prompt), `no_history`, `no_conversation`,
+`recorded`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from workers.context import (
+    DEFAULT_BUDGET_TOKENS,
+    DEFAULT_IDLE_S,
+    ConversationMemory,
+    RecordedTurn,
+    render_turn,
+)
+from workers.engine.types import GenerationResult, RequestHandle, TranslationEngine
+from workers.engine_wrapper import EngineWrapper
+
+__all__ = ["CONTEXT_NOTE", "ContextEngine", "with_conversation_context"]
+
+CONTEXT_NOTE = "tolk.context"  # reply metadata: "turns=N" history turns in the prompt
+
+
+class PromptEngine(Protocol):
+    """The base engine (`workers.engine.engine.Engine`): its prompt builder and the hook that
+    gives a request's prompt its history ids."""
+
+    prompts: Any  # workers.engine.prompts.PromptBuilder
+    prompt_history: Any  # Callable[[str, str | None], Sequence[int] | None] | None
+
+
+class ContextEngine(EngineWrapper):
+    """Conversation context on the request path (module notes)."""
+
+    def __init__(
+        self,
+        inner: TranslationEngine,
+        *,
+        base: PromptEngine,
+        memory: ConversationMemory,
+        uncached: TranslationEngine | None = None,
+    ) -> None:
+        """`inner`: every wrapper below this one; `uncached`: the chain below the exact-match
+        cache (contextual turns go there; default `inner`); `base`: the engine that builds
+        the prompts, whose `prompt_history` hook this installs."""
+        self.inner = inner
+        self.uncached = uncached if uncached is not None else inner
+        self.base = base
+        self.prompts = base.prompts
+        self.memory = memory
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[int]] = {}  # request id -> its prompt's history ids
+        self.counts: Counter[str] = Counter()
+        base.prompt_history = self.history_for
+
+    def submit_translation(
+        self,
+        *,
+        request_id: str,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        deadline: float | None = None,
+        max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue one turn; with a known conversation history, in context (module notes)."""
+        if not conversation_id:
+            self.counts["no_conversation"] += 1
+            return self.inner.submit_translation(
+                request_id=request_id,
+                text=text,
+                source_lang=source_lang,
+                target_lang=target_lang,
+                deadline=deadline,
+                max_new_tokens=max_new_tokens,
+            )
+        start = self.memory.begin_turn(conversation_id)
+        target = self.inner
+        if start.history_ids:
+            with self._lock:
+                self._pending[request_id] = start.history_ids
+            target = self.uncached
+        self.counts["contextual" if start.turns else "no_history"] += 1
+        try:
+            handle = target.submit_translation(
+                request_id=request_id,
+                text=text,
+                source_lang=source_lang,
+                target_lang=target_lang,
+                deadline=deadline,
+                max_new_tokens=max_new_tokens,
+            )
+        finally:
+            with self._lock:  # the prompt is built inside submit: the ids are used or never
+                self._pending.pop(request_id, None)
+        seq, turns = start.seq, start.turns
+        # The caller's handle resolves only once the turn is recorded: a future's waiters may
+        # run before its callbacks, and the conversation's next turn must see this one.
+        outer = RequestHandle(request_id, lambda _rid: handle.cancel())
+
+        def on_done(result: GenerationResult) -> None:  # engine thread (or now, for a hit)
+            try:
+                self._record(conversation_id, seq, text, source_lang, target_lang, result)
+                if turns and isinstance(result.notes, dict):
+                    result.notes.setdefault(CONTEXT_NOTE, f"turns={turns}")
+            finally:
+                outer.set_result(result)
+
+        handle.add_done_callback(on_done)
+        return outer
+
+    def history_for(self, request_id: str, prompt_form: str | None) -> Sequence[int] | None:
+        """The base engine's `prompt_history` hook: the history ids of a contextual request
+        being built now, in the default prompt form only."""
+        if prompt_form is not None and prompt_form != self.prompts.default_form:
+            return None
+        with self._lock:
+            return self._pending.get(request_id)
+
+    def _record(
+        self,
+        conversation_id: str,
+        seq: int,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        result: GenerationResult,
+    ) -> None:
+        if not result.ok or not result.text:
+            return
+        ids = render_turn(
+            self.prompts, text, source_lang, target_lang, result.text, self._answer_ids(result)
+        )
+        turn = RecordedTurn(seq, source_lang, target_lang, text, result.text, tuple(ids))
+        self.memory.record(conversation_id, turn)
+        self.counts["recorded"] += 1
+
+    def _answer_ids(self, result: GenerationResult) -> list[int] | None:
+        """The engine's generated ids when they are the answer given (decoded and cut by the
+        stop rule they give the result's text), else None (render the text instead)."""
+        if not result.token_ids:
+            return None
+        tokenizer = self.prompts.tokenizer
+        shown = self.prompts.finish_text(
+            tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        )
+        return list(result.token_ids) if shown == result.text else None
+
+
+def with_conversation_context(
+    served: TranslationEngine,
+    *,
+    base: PromptEngine,
+    uncached: TranslationEngine | None = None,
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS,
+    idle_s: float = DEFAULT_IDLE_S,
+) -> ContextEngine:
+    """`served` with conversation context (what `tolk worker --context` builds)."""
+    memory = ConversationMemory(budget_tokens, idle_s=idle_s)
+    return ContextEngine(served, base=base, memory=memory, uncached=uncached)
