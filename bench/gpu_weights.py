@@ -8,10 +8,10 @@ Gemma 3 270M's ~245 MiB file). Neither package is on the device, and neither fit
     python -m bench.gpu_weights split .gpu_weights          # here: pieces + manifest.json
     # device, one call per piece, back to back (the machine stays warm 30 s between calls),
     # each call carrying .gpu_weights/<piece> (and manifest.json):
-    python3 -m bench.gpu_weights receive .gpu_weights --store /tmp/tolk-weights
+    python3 -m bench.gpu_weights receive .gpu_weights     # into bench/out/gpu-weights
     # the last call, before bench/gpu.sh:
-    python3 -m bench.gpu_weights assemble --store /tmp/tolk-weights
-    export PYTHONPATH=/tmp/tolk-weights/site:$PYTHONPATH
+    python3 -m bench.gpu_weights assemble
+    export PYTHONPATH=bench/out/gpu-weights/site:$PYTHONPATH
 
 `split` writes each GGUF in pieces of at most `--piece-mib` (48: with the ~8 MiB working tree
 one piece per call) and a manifest with every piece's and file's sha256. `receive` copies the
@@ -35,6 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+# The store, in the repository's git-ignored bench/out: the device keeps ignored outputs between
+# calls, so pieces received by one call are there for the next.
+DEFAULT_STORE = Path(__file__).resolve().parent / "out" / "gpu-weights"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_FILE = "gemma-3-270m-Q4_K_M.gguf"
 
@@ -150,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     s.add_argument("--models", default="", help="comma-separated presets (default: all)")
     r = sub.add_parser("receive", help="device: copy the carried pieces into the store")
     r.add_argument("carried", type=Path)
-    r.add_argument("--store", type=Path, default=Path("/tmp/tolk-weights"))
+    r.add_argument("--store", type=Path, default=DEFAULT_STORE)
     a = sub.add_parser("assemble", help="device: join, check, write the stand-in packages")
-    a.add_argument("--store", type=Path, default=Path("/tmp/tolk-weights"))
+    a.add_argument("--store", type=Path, default=DEFAULT_STORE)
     args = p.parse_args(argv)
     if args.cmd == "split":
         split(args.out, args.piece_mib, [m for m in args.models.split(",") if m])

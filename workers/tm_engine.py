@@ -45,7 +45,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -205,8 +205,7 @@ class RetrievedExamplesEngine(EngineWrapper):
         self.key_note = retriever.key_note  # read by the cache's engine fingerprint
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, retrieved|no_index|error)
-        self.retrieval_seconds: list[float] = []  # the last few thousand, for stats
-        self._keep = 4096
+        self.retrieval_seconds: deque[float] = deque(maxlen=4096)  # the latest, for stats
 
     def submit_translation(
         self,
@@ -240,7 +239,6 @@ class RetrievedExamplesEngine(EngineWrapper):
             self.outcomes[(target_lang, outcome)] += 1
             if found is not None and found.indexed:
                 self.retrieval_seconds.append(found.seconds)
-                del self.retrieval_seconds[: -self._keep]
         request = self._prompts.translation_request(
             text,
             source_lang,
