@@ -11,7 +11,9 @@ Variants (one model load per model, every variant on the same items):
 - `before`: the service as it was before issue #18, at this commit: prompt form `support8`,
   the language's `max_new_tokens` (256) as the only cap, no checks;
 - `after`: the default prompt form under `workers.faithful_engine.FaithfulEngine` (length guard,
-  leak/ratio/loop checks, one retry with the retry form, else flagged), as `tolk worker` runs;
+  leak/ratio/loop checks, one retry with the retry form, else withheld: the default policy), as
+  `tolk worker` runs; `after_flag` is the same run under the `flag` policy (each withheld
+  answer's candidate sent, flagged), derived from it, not run again;
 - `form:NAME`: one prompt form of `workers/engine/prompts.json` alone (cap 256, no checks):
   the prompt review of docs/PROMPTS.md;
 - `after:DEFAULT:RETRY`: `after` with other default and retry forms (the review of the
@@ -20,7 +22,9 @@ Variants (one model load per model, every variant on the same items):
 Per (model, variant, pair): leak rate (`workers.faithful.leaked_example` over every example of
 every set), length-ratio outliers (characters of output / source > 3 or < 0.3, the issue's
 definition, beside the references' own rate), n-gram loops, stops at a cap, answers longer than
-their cap (must be 0), flagged answers, chrF (sacrebleu), and chrF minus `before`'s with a
+their cap (must be 0), flagged and withheld answers (the detectors count translations sent: a
+withheld answer sends none; chrF scores it as an empty translation), chrF (sacrebleu), and chrF
+minus `before`'s with a
 paired bootstrap 95 % interval (`replay.stats`). JSON on stdout and in `--out`, the outputs
 with it. Greedy decoding: the same command gives the same figures on the same machine.
 
@@ -55,9 +59,9 @@ from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
-from workers.engine.types import GenerationResult
+from workers.engine.types import FinishReason, GenerationResult
 from workers.faithful import leaked_example, length_ratio, ngram_loop
-from workers.faithful_engine import NOTE_KEY, FaithfulEngine
+from workers.faithful_engine import CANDIDATE_KEY, NOTE_KEY, FaithfulEngine
 
 LANGUAGE_CAP = 256  # DEFAULT_MAX_NEW_TOKENS of workers/fairness/policy.py
 BEFORE_FORM = "support8"
@@ -99,6 +103,8 @@ class Answer:
     tokens: int  # tokens of the answering run
     cap: int  # max_new_tokens it ran under
     flagged: bool
+    withheld: bool = False  # the policy sent no translation (text ""); `candidate` was it
+    candidate: str = ""
 
 
 def run_plain(engine: Engine, items: list[Item], form: str) -> list[Answer]:
@@ -145,6 +151,8 @@ def run_after(
             len(r.token_ids),
             guarded.length_cap(it.source, it.source_lang, it.target_lang),
             r.notes.get(NOTE_KEY) == "flagged",
+            withheld=r.finish_reason is FinishReason.WITHHELD,
+            candidate=r.notes.get(CANDIDATE_KEY, ""),
         )
         for it, r in zip(items, results, strict=True)
     ]
@@ -153,6 +161,13 @@ def run_after(
         "outcomes": {f"{lang}/{o}": n for (lang, o), n in sorted(guarded.outcomes.items())},
     }
     return answers, policy
+
+
+def flag_policy(answers: list[Answer]) -> list[Answer]:
+    """The same run under the `flag` policy: each withheld answer's candidate sent, flagged."""
+    return [
+        Answer(a.candidate, a.finish, a.tokens, a.cap, True) if a.withheld else a for a in answers
+    ]
 
 
 def _raw_outlier(source: str, text: str) -> bool:
@@ -174,20 +189,20 @@ def summarize(
         hyps, refs = [a.text for a in ans], [it.reference for it in its]
         stats = chrf_statistics(hyps, refs)
         n = len(idx)
+        sent = [(it, a) for it, a in zip(its, ans, strict=True) if not a.withheld]
         row: dict[str, Any] = {
             "n": n,
             "leak": sum(
                 leaked_example(it.source, a.text, examples, it.target_lang) is not None
-                for it, a in zip(its, ans, strict=True)
+                for it, a in sent
             ),
-            "ratio_out": sum(
-                _raw_outlier(it.source, a.text) for it, a in zip(its, ans, strict=True)
-            ),
+            "ratio_out": sum(_raw_outlier(it.source, a.text) for it, a in sent),
             "ref_ratio_out": sum(_raw_outlier(it.source, it.reference) for it in its),
-            "loop": sum(ngram_loop(it.source, a.text) for it, a in zip(its, ans, strict=True)),
+            "loop": sum(ngram_loop(it.source, a.text) for it, a in sent),
             "cap_stops": sum(a.finish.startswith("length") for a in ans),
             "past_cap": sum(a.tokens > a.cap for a in ans),
             "flagged": sum(a.flagged for a in ans),
+            "withheld": sum(a.withheld for a in ans),
             "chrF": round(float(chrf_from_sums(stats.sum(axis=0)[None, :])[0]), 2),
         }
         if before is not None:
@@ -199,10 +214,10 @@ def summarize(
 
 
 def _outputs(items: list[Item], answers: list[Answer]) -> list[list[Any]]:
-    """[pair, source, output, finish, flagged, tokens, cap] per item: the raw material of the
-    figures (`--stored` reads them back)."""
+    """[pair, source, output, finish, flagged, tokens, cap, withheld, candidate] per item: the
+    raw material of the figures (`--stored` reads them back)."""
     return [
-        [it.pair, it.source, a.text, a.finish, a.flagged, a.tokens, a.cap]
+        [it.pair, it.source, a.text, a.finish, a.flagged, a.tokens, a.cap, a.withheld, a.candidate]
         for it, a in zip(items, answers, strict=True)
     ]
 
@@ -218,7 +233,9 @@ def _commit() -> str:
 
 def _stored_answer(row: list[Any]) -> Answer:
     """An `_outputs` row back as an Answer; files written before the flag and token columns
-    (4 columns) read as unflagged, 0 tokens."""
+    (4 columns) read as unflagged, 0 tokens; before the withheld columns (7), as sent."""
+    if len(row) >= 9:
+        return Answer(row[2], row[3], int(row[5]), int(row[6]), bool(row[4]), bool(row[7]), row[8])
     if len(row) >= 7:
         return Answer(row[2], row[3], int(row[5]), int(row[6]), bool(row[4]))
     return Answer(row[2], row[3], 0, LANGUAGE_CAP, False)
@@ -300,6 +317,8 @@ def run(
                 answers[variant] = run_plain(engine, items, form)
             timing[variant] = round(time.perf_counter() - t0, 1)
             print(f"{model} {variant}: {timing[variant]} s", file=sys.stderr, flush=True)
+        if "after" in answers and any(a.withheld for a in answers["after"]):
+            answers["after_flag"] = flag_policy(answers["after"])
         before = answers.get("before")
         out["models"][model] = {
             "template": engine.prompts.template_name,

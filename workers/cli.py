@@ -162,6 +162,13 @@ def worker(
             help="Length guard + leak/ratio/loop checks with one retry (docs/PROMPTS.md).",
         ),
     ] = True,
+    faithful_policy: Annotated[
+        str,
+        typer.Option(
+            help="An answer still suspect after the retry: 'withhold' it (ERROR reply, the "
+            "candidate in metadata) or send it 'flag'ged.",
+        ),
+    ] = "withhold",
     cache: Annotated[
         bool | None,
         typer.Option(
@@ -199,6 +206,10 @@ def worker(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from workers.faithful_engine import POLICIES
+
+    if faithful_policy not in POLICIES:
+        raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--faithful-policy")
     settings = _settings(
         model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port, arm=arm
     )
@@ -247,7 +258,7 @@ def worker(
         from workers.faithful_engine import faithful  # the engine's prompt forms
 
         max_new = max((p.max_new_tokens for p in policies.values()), default=256)
-        served = checked = faithful(served, default_max_new_tokens=max_new)
+        served = checked = faithful(served, policy=faithful_policy, default_max_new_tokens=max_new)
     if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
         from workers.protected_engine import protect_spans as with_protected_spans
 

@@ -15,12 +15,22 @@ Flow of one request:
    the same examples without the per-turn instruction of its default; zero-shot made the base
    model copy or answer the source, docs/PROMPTS.md), if the inner engine takes `prompt_form`.
    A clean retry is the answer (outcome `retried`); otherwise the better of the two (fewer and
-   milder problems; a leak is the worst) goes out flagged (outcome `flagged`). Without retries
-   (`retry=False`) a suspect answer is flagged at once.
+   milder problems; a leak is the worst) is what the policy handles. Without retries
+   (`retry=False`) a suspect answer goes to the policy at once.
+4. The policy for an answer still suspect (`policy`, `tolk worker --faithful-policy`):
+   - `withhold` (the default): no translation goes out. The result finishes `WITHHELD` (the
+     reply's status ERROR, its error "unfaithful translation withheld: ratio (retry: suspect
+     too)"), the candidate text in the notes (`tolk.faithful.candidate`), outcome `withheld`.
+     A support bot that shows a customer a promise nobody made is worse than no translation
+     (issue #18): the client gets the reason and decides (show the source, ask a human, or
+     show the candidate marked as unchecked). Measured: with Gemma 3 270M 2 of 800 benchmark
+     answers are still suspect after the retry; with SmolLM2-135M ~10 % (docs/PROMPTS.md).
+   - `flag`: the candidate goes out as the translation, flagged (outcome `flagged`).
 
 Every suspect answer's reply says so in `GenerationResult.notes` (-> the reply's `metadata`):
 `tolk.faithful` = the outcome, `tolk.faithful.first` = what the first run's checks found
-(`leak,ratio`), `tolk.faithful.problems` = what the answer still has (flagged only), and
+(`leak,ratio`), `tolk.faithful.problems` = what the answer still has (flagged / withheld),
+`tolk.faithful.candidate` = the withheld text, and
 `tolk.finish_reason` = `length_guard` when the answer stopped at the guard's cap (the reply
 builder keeps that finer reason over its plain `length`). Counted per language once the worker
 binds its metrics: `tolk_faithful_checks_total{lang, check}` (each detector firing on a first
@@ -59,6 +69,7 @@ __all__ = [
     "GUARD_REASON",
     "NOTE_KEY",
     "OUTCOMES",
+    "POLICIES",
     "FaithfulEngine",
     "faithful",
 ]
@@ -67,7 +78,9 @@ NOTE_KEY = "tolk.faithful"  # metadata key of the outcome on a suspect answer's 
 FINISH_REASON_KEY = "tolk.finish_reason"  # = workers.replies.FINISH_REASON_KEY
 GUARD_REASON = "length_guard"  # its value on an answer stopped at the guard's cap
 CHECKS = ("leak", "ratio", "loop", "length_guard")
-OUTCOMES = ("retried", "flagged")
+OUTCOMES = ("retried", "flagged", "withheld")
+POLICIES = ("withhold", "flag")  # what happens to an answer still suspect after the retry
+CANDIDATE_KEY = "tolk.faithful.candidate"  # metadata key of a withheld answer's text
 RETRY_SUFFIX = "~faithful"  # inner request id of the retry
 DEFAULT_MAX_NEW_TOKENS = 256  # the engine's default cap when a request names none
 _SEVERITY = {"leak": 4, "loop": 2, "length_guard": 2, "ratio": 1}
@@ -105,9 +118,13 @@ class FaithfulEngine(EngineWrapper):
         examples: Sequence[Mapping[str, str]] | None = None,
         retry: bool = True,
         retry_form: str | None = None,
+        policy: str = "withhold",
         default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         metrics: _FaithfulMetrics | None = None,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
         self.inner = inner
         self.caps = caps if caps is not None else LengthCaps.packaged()
         self.tokenizer_key = self.caps.for_model(inner.model_version)
@@ -251,15 +268,23 @@ class FaithfulEngine(EngineWrapper):
         first: Check | None = None,
         retry: str,
     ) -> None:
+        """The policy on an answer still suspect: withhold it, or send it flagged."""
+        outcome = "withheld" if self.policy == "withhold" else "flagged"
         notes = {
-            NOTE_KEY: "flagged",
+            NOTE_KEY: outcome,
             f"{NOTE_KEY}.first": ",".join((first or found).problems),
             f"{NOTE_KEY}.problems": ",".join(found.problems),
             f"{NOTE_KEY}.retry": retry,
         }
         if found.length_guard:
             notes[FINISH_REASON_KEY] = GUARD_REASON
-        self._answer(job, "flagged", dataclasses.replace(result, notes=notes))
+        if outcome == "withheld":
+            notes[CANDIDATE_KEY] = result.text
+            error = f"unfaithful translation withheld: {','.join(found.problems)} (retry: {retry})"
+            result = dataclasses.replace(
+                result, text="", finish_reason=FinishReason.WITHHELD, error=error
+            )
+        self._answer(job, outcome, dataclasses.replace(result, notes=notes))
 
     def _count(self, kind: str, lang: str, label: str) -> None:
         with self._lock:

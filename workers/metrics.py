@@ -217,7 +217,8 @@ class WorkerMetrics:
         self.faithful_outcomes_total = Counter(  # workers/faithful_engine.py
             "faithful_outcomes_total",
             "Suspect translations by language and outcome: retried (the retry with another "
-            "prompt form was clean and answered), flagged (answered with a flag in metadata).",
+            "prompt form was clean and answered), withheld (still suspect: an ERROR reply, the "
+            "candidate in metadata), flagged (still suspect, answered with a flag in metadata).",
             ["lang", "outcome"],
             namespace=ns,
             registry=registry,

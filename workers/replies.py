@@ -44,6 +44,7 @@ STATUS_OF: dict[FinishReason, str] = {
     FinishReason.REJECTED: "REJECTED",
     FinishReason.ERROR: "ERROR",
     FinishReason.CANCELLED: "ERROR",
+    FinishReason.WITHHELD: "ERROR",  # workers/faithful_engine.py; the candidate is in metadata
 }
 
 

@@ -1,6 +1,7 @@
 """bench/faithful.py's bookkeeping without a model: the items (`--pairs`), and reading an
 earlier run's answers back (`--stored VARIANT=PATH`) so a long `before` and a later `after`
-report together on the same items."""
+report together on the same items; a withheld answer counted apart from the translations sent,
+and the flag policy derived from the same run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from bench.faithful import Answer, _outputs, benchmark_items, stored_runs, summarize
+from bench.faithful import (
+    Answer,
+    _outputs,
+    benchmark_items,
+    flag_policy,
+    stored_runs,
+    summarize,
+)
 
 
 def _write_run(path: Path, rows: Sequence[Sequence[Any]], variant: str = "before") -> str:
@@ -75,3 +83,27 @@ def test_stored_runs_refuse_other_items_and_a_bare_path(tmp_path: Path) -> None:
         stored_runs([f"before={path}"], "m", benchmark_items(8))
     with pytest.raises(SystemExit, match="VARIANT=PATH"):
         stored_runs([path], "m", items)
+
+
+def test_withheld_answers_count_apart_and_the_flag_policy_sends_their_candidates(
+    tmp_path: Path,
+) -> None:
+    items = [it for it in benchmark_items(8) if it.pair == "en-fr"]  # 2 items
+    runaway = "Bonjour " * 40  # a ratio outlier and a loop
+    answers = [
+        Answer("", "withheld", 40, 50, False, withheld=True, candidate=runaway),
+        Answer(items[1].reference, "stop", 5, 50, False),
+    ]
+    row = summarize(items, answers, None)["other:en-fr"]
+    assert row["withheld"] == 1 and row["flagged"] == 0
+    assert row["ratio_out"] == 0 and row["loop"] == 0  # nothing sent, nothing to count
+    flagged = flag_policy(answers)
+    assert flagged[0].text == runaway and flagged[0].flagged and not flagged[0].withheld
+    assert flagged[1] == answers[1]
+    row = summarize(items, flagged, None)["other:en-fr"]
+    assert row["withheld"] == 0 and row["flagged"] == 1
+    assert row["ratio_out"] == 1 and row["loop"] == 1
+    # the columns survive a write and a `--stored` read
+    path = _write_run(tmp_path / "after.json", _outputs(items, answers), "after")
+    got, _ = stored_runs([f"after={path}"], "m", items)
+    assert got["after"] == answers

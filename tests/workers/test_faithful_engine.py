@@ -1,17 +1,19 @@
 """workers/faithful_engine.py around a scripted engine: the length guard's cap, a clean answer
-passed through, a suspect one retried with the retry form or flagged, notes, counters and the
-reply's metadata."""
+passed through, a suspect one retried with the retry form, then withheld (the default policy)
+or flagged, notes, counters and the reply's metadata."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle
 from workers.faithful import LengthCaps
 from workers.faithful_engine import (
+    CANDIDATE_KEY,
     FINISH_REASON_KEY,
     GUARD_REASON,
     NOTE_KEY,
@@ -22,6 +24,8 @@ from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import FINISH_REASON_KEY as REPLIES_FINISH_REASON_KEY
 from workers.replies import engine_reply
+from workers.retries import is_failed_run
+from workers.tm.cache_policy import is_cacheable
 
 PATIENCE_DE = "Vielen Dank für Ihre Geduld. Ihr Ersatzgerät wird morgen verschickt."
 # 2 x source words + 3 output tokens for en-de in the test table
@@ -117,7 +121,7 @@ def test_a_leak_is_retried_with_the_retry_form() -> None:
 
 
 def test_a_guard_stop_is_retried_and_flagged_when_the_retry_stops_there_too() -> None:
-    engine, inner = make(lambda c: ("und " * 20, FinishReason.LENGTH))
+    engine, inner = make(lambda c: ("und " * 20, FinishReason.LENGTH), policy="flag")
     result = translate(engine, "I am waiting for you")
     assert len(inner.calls) == 2
     assert result.notes[NOTE_KEY] == "flagged"
@@ -140,7 +144,7 @@ def test_the_better_of_two_suspects_is_flagged() -> None:
             return PATIENCE_DE, FinishReason.STOP  # leak + ratio
         return "Danke danke danke danke danke danke danke", FinishReason.STOP  # ratio + loop
 
-    engine, _ = make(script)
+    engine, _ = make(script, policy="flag")
     result = translate(engine, "Thanks")
     assert result.text.startswith("Danke danke")  # milder than a leak
     assert result.notes[f"{NOTE_KEY}.problems"] == "ratio,loop"
@@ -148,7 +152,7 @@ def test_the_better_of_two_suspects_is_flagged() -> None:
 
 
 def test_without_retries_a_suspect_answer_is_flagged_at_once() -> None:
-    engine, inner = make(lambda c: (PATIENCE_DE, FinishReason.STOP), retry=False)
+    engine, inner = make(lambda c: (PATIENCE_DE, FinishReason.STOP), retry=False, policy="flag")
     result = translate(engine, "Thanks")
     assert len(inner.calls) == 1 and result.text == PATIENCE_DE
     assert result.notes[NOTE_KEY] == "flagged" and result.notes[f"{NOTE_KEY}.retry"] == "off"
@@ -168,12 +172,12 @@ def test_an_engine_without_prompt_forms_gets_no_retry() -> None:
     inner = NoForms(lambda c: (PATIENCE_DE, FinishReason.STOP))
     engine = FaithfulEngine(inner, caps=CAPS, retry_form="zero_shot")
     assert not engine.retry
-    assert translate(engine, "Thanks").notes[NOTE_KEY] == "flagged"
+    assert translate(engine, "Thanks").notes[NOTE_KEY] == "withheld"
 
 
 def test_counters_and_the_reply_metadata() -> None:
     metrics = WorkerMetrics(CollectorRegistry())
-    engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH))
+    engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH), policy="flag")
     engine.bind_metrics(metrics)
     result = translate(engine, "I am waiting for you")
     assert metrics.faithful_checks_total.labels(lang="de", check="length_guard")._value.get() == 1
@@ -187,3 +191,45 @@ def test_counters_and_the_reply_metadata() -> None:
     reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
     assert reply["metadata"][REPLIES_FINISH_REASON_KEY] == GUARD_REASON
     assert reply["metadata"][NOTE_KEY] == "flagged"
+
+
+def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candidate() -> None:
+    def script(call: Call) -> tuple[str, FinishReason]:
+        if call.prompt_form is None:
+            return PATIENCE_DE, FinishReason.STOP  # leak + ratio
+        return "Ich habe eine kleine Einlegen, wie es gibt.", FinishReason.STOP  # ratio
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    engine, inner = make(script)
+    engine.bind_metrics(metrics)
+    result = translate(engine, "Thanks")
+    assert len(inner.calls) == 2  # retried first
+    assert result.finish_reason is FinishReason.WITHHELD and result.text == ""
+    assert result.error == "unfaithful translation withheld: ratio (retry: suspect too)"
+    assert result.notes[NOTE_KEY] == "withheld"
+    assert result.notes[CANDIDATE_KEY] == "Ich habe eine kleine Einlegen, wie es gibt."
+    assert result.notes[f"{NOTE_KEY}.first"] == "leak,ratio"
+    assert engine.outcomes == {("de", "withheld"): 1}
+    assert metrics.faithful_outcomes_total.labels(lang="de", outcome="withheld")._value.get() == 1
+    # not an engine failure: the worker neither runs it again nor dead-letters it; not cached
+    assert not result.ok and not is_failed_run(result) and not is_cacheable(result)
+    rec = ConsumedRecord(
+        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
+    )
+    inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
+    reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
+    assert reply["status"] == "ERROR" and reply["text"] == ""
+    assert reply["error"].startswith("unfaithful translation withheld: ratio")
+    assert reply["metadata"][CANDIDATE_KEY] == "Ich habe eine kleine Einlegen, wie es gibt."
+
+
+def test_a_clean_answer_is_never_withheld() -> None:
+    engine, inner = make(lambda c: ("Danke", FinishReason.STOP))
+    result = translate(engine, "Thanks")
+    assert result.finish_reason is FinishReason.STOP and result.text == "Danke"
+    assert result.notes == {} and len(inner.calls) == 1
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        make(lambda c: ("Danke", FinishReason.STOP), policy="drop")

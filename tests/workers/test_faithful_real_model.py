@@ -2,8 +2,8 @@
 greedy): issue #18's cases. "Thanks" (en -> de) and "Thank you" (en -> fr) copied a few-shot
 example's target under the prompt before the issue (form `support8`) and no longer do under
 the default form; a translation ends at the template's end of line (Gemma) or turn marker
-(SmolLM2); the guard's cap stops a generation and the reply says so; a SmolLM2 chat reply to
-a short German turn goes out flagged."""
+(SmolLM2); the guard's cap stops a generation and the reply says so; SmolLM2's chat replies to
+short German turns are caught (a one-word turn too) and withheld, the default policy."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
 from workers.engine.types import FinishReason
 from workers.faithful import LengthCaps, leaked_example
-from workers.faithful_engine import FINISH_REASON_KEY, GUARD_REASON, NOTE_KEY, FaithfulEngine
+from workers.faithful_engine import (
+    CANDIDATE_KEY,
+    FINISH_REASON_KEY,
+    GUARD_REASON,
+    NOTE_KEY,
+    FaithfulEngine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +78,9 @@ def test_the_packaged_cap_holds_a_long_turn_and_a_tight_cap_stops_it(engine: Eng
     cap = packaged.length_cap(AGENT_TURN, "en", "de")
     assert 20 < cap < 256  # the source's tokens x the en-de slope, far under the language's 256
     tight = FaithfulEngine(
-        engine, caps=LengthCaps({"gemma3": {"en-de": {"slope": 0.0, "intercept": 5.0}}})
+        engine,
+        caps=LengthCaps({"gemma3": {"en-de": {"slope": 0.0, "intercept": 5.0}}}),
+        policy="flag",
     )
     engine.start()
     try:
@@ -108,10 +116,11 @@ def test_smollm2_stops_at_the_turn_end(smol: Engine) -> None:
     assert "im_start" not in result.text and "user" not in result.text
 
 
-def test_smollm2_chat_reply_is_retried_then_flagged(smol: Engine) -> None:
-    # a short German customer turn SmolLM2 answers as a chat partner under the default form;
-    # the retry form copies an example instead: the answer goes out flagged, never silently
-    source = "Ja, um 19:10 Uhr."
+@pytest.mark.parametrize("source", ["Ja, um 19:10 Uhr.", "Ja."])
+def test_smollm2_chat_reply_is_retried_then_withheld(smol: Engine, source: str) -> None:
+    # short German customer turns SmolLM2 answers as a chat partner under the default form
+    # ("Ja." -> "I'm sorry for your loss"); the retry form does no better: no translation goes
+    # out, the reply says why and carries the candidate
     (first,) = smol.generate([smol.translation_request(source, "de", "en")])
     assert first.text.startswith("I'm sorry")
     guarded = FaithfulEngine(smol)
@@ -122,15 +131,20 @@ def test_smollm2_chat_reply_is_retried_then_flagged(smol: Engine) -> None:
         ).result(timeout=600)
     finally:
         smol.stop(drain=True, timeout=60)
-    assert result.notes[NOTE_KEY] == "flagged"
-    assert result.notes[f"{NOTE_KEY}.first"] == "ratio"
+    assert result.finish_reason is FinishReason.WITHHELD and result.text == ""
+    assert result.error and result.error.startswith("unfaithful translation withheld")
+    assert result.notes[NOTE_KEY] == "withheld"
+    assert "ratio" in result.notes[f"{NOTE_KEY}.first"]
     assert result.notes[f"{NOTE_KEY}.retry"] == "suspect too"
+    assert result.notes[CANDIDATE_KEY]
     assert len(result.token_ids) <= guarded.length_cap(source, "de", "en")
 
 
 def test_smollm2_tight_cap_stops_the_generation_and_says_so(smol: Engine) -> None:
     tight = FaithfulEngine(
-        smol, caps=LengthCaps({"smollm2": {"en-de": {"slope": 0.0, "intercept": 4.0}}})
+        smol,
+        caps=LengthCaps({"smollm2": {"en-de": {"slope": 0.0, "intercept": 4.0}}}),
+        policy="flag",
     )
     smol.start()
     try:

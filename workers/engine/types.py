@@ -29,6 +29,7 @@ class FinishReason(enum.StrEnum):
     EXPIRED = "expired"  # deadline passed before it could be served
     REJECTED = "rejected"  # admission refused it (queue full, would miss its deadline)
     ERROR = "error"  # the engine failed on it; `error` says why
+    WITHHELD = "withheld"  # an answer failed the faithfulness checks: not sent as a translation
 
 
 @dataclass(frozen=True, slots=True)

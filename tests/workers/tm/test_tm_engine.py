@@ -332,3 +332,18 @@ def test_tolk_worker_refuses_a_tm_of_another_embedder_before_loading_the_model(
 def test_tolk_worker_without_the_option_has_no_retrieval(monkeypatch: pytest.MonkeyPatch) -> None:
     result, (engine,) = run_worker(monkeypatch, ["--no-faithful"])
     assert result.exit_code == 0 and isinstance(engine, PromptEngine)
+
+
+def test_tolk_worker_withholds_by_default_and_takes_the_flag_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workers.faithful_engine import FaithfulEngine
+
+    result, (engine,) = run_worker(monkeypatch, [])
+    assert result.exit_code == 0 and isinstance(engine, FaithfulEngine)
+    assert engine.policy == "withhold"
+    result, (engine,) = run_worker(monkeypatch, ["--faithful-policy", "flag"])
+    assert result.exit_code == 0 and engine.policy == "flag"
+    result, engines = run_worker(monkeypatch, ["--faithful-policy", "drop"])
+    assert result.exit_code == 2 and engines == []  # refused before the model loads
+    assert "--faithful-policy" in result.output
