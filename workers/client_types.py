@@ -11,7 +11,7 @@ and its `TranslationQueueFull` (the producer's local queue stayed full), and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -95,10 +95,20 @@ class TranslationReply:
     completed_at: int  # epoch millis
     conversation_id: str | None
     trace_parent: str | None = None  # the worker's request span (its reply's traceparent)
+    # how it was made: tolk.cache, tolk.faithful (retried / flagged / withheld), ...
+    metadata: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.status == "OK"
+
+    @property
+    def withheld(self) -> str | None:
+        """The candidate translation the faithfulness checks withheld (an ERROR reply; the
+        error says which checks), else None."""
+        if self.metadata.get("tolk.faithful") != "withheld":
+            return None
+        return self.metadata.get("tolk.faithful.candidate", "")
 
     @classmethod
     def from_record(cls, r: Mapping[str, Any], trace_parent: str | None = None) -> TranslationReply:
@@ -118,4 +128,5 @@ class TranslationReply:
             completed_at=int(r["completed_at"]),
             conversation_id=r.get("conversation_id"),
             trace_parent=trace_parent,
+            metadata=dict(r.get("metadata") or {}),
         )

@@ -154,10 +154,15 @@ def main(
 
     from prometheus_client import CollectorRegistry
 
+    from workers.faithful_engine import faithful
     from workers.worker import Worker
 
     settings = settings.replace(policies=_demo_policies(settings, langs))
-    worker = Worker(settings, engine, registry=CollectorRegistry())
+    # the service's faithfulness guards, as `tolk worker` runs them (an answer still suspect
+    # after a retry is withheld: an ERROR reply with the candidate in its metadata)
+    worker = Worker(
+        settings, faithful(engine, default_max_new_tokens=64), registry=CollectorRegistry()
+    )
     stop = threading.Event()
     thread = worker.run_in_thread(stop)
     topics = f"{DEMO_PREFIX}tolk.requests.{{{','.join(langs)}}}"
@@ -258,6 +263,8 @@ async def _send_all(
             latency = time.perf_counter() - t0
             done += 1
             shown = reply.text if reply.ok else f"{reply.status}: {reply.error}"
+            if reply.withheld is not None:
+                shown = f"(withheld: {reply.error}; candidate: {reply.withheld!r})"
             echo(
                 f"[{done:>3}/{n}] {m.source_lang}->{m.target_lang} {latency * 1e3:7.0f} ms  "
                 f"({m.speaker})\n        {_short(m.text)}\n      → {_short(shown)}"
@@ -279,13 +286,15 @@ def _summarize(
     echo: Echo,
 ) -> int:
     per_lang: dict[str, list[float]] = {}
-    ok = failed = tokens = 0
+    ok = failed = withheld = tokens = 0
     for m, r in zip(picked, results, strict=True):
         if isinstance(r, BaseException):
             failed += 1
             continue
         reply, latency = r
-        if reply.ok:
+        if reply.withheld is not None:  # answered: the guards kept an unfaithful text back
+            withheld += 1
+        elif reply.ok:
             ok += 1
             tokens += reply.tokens_out
             per_lang.setdefault(f"{m.source_lang}->{m.target_lang}", []).append(latency)
@@ -301,9 +310,10 @@ def _summarize(
         )
     dup = worker.registry.get_sample_value("tolk_worker_duplicates_total") or 0
     echo(
-        f"\nsummary: {ok}/{len(picked)} translated, {failed} failed; {tokens} tokens generated; "
+        f"\nsummary: {ok}/{len(picked)} translated, {withheld} withheld as unfaithful, "
+        f"{failed} failed; {tokens} tokens generated; "
         f"{wall_s:.1f}s wall ({ok / wall_s if wall_s else 0:.2f} msg/s, "
         f"{tokens / wall_s if wall_s else 0:.1f} tok/s); model {worker.engine.model_version}; "
         f"duplicates {int(dup)}; worker stopped cleanly: {worker.stopped_event.is_set()}"
     )
-    return 0 if failed == 0 and ok == len(picked) else 1
+    return 0 if failed == 0 and ok + withheld == len(picked) else 1

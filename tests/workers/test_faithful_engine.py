@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry
 
+from schemas.codec import decode_result, encode_result
+from workers.client_types import TranslationReply
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle
 from workers.faithful import LengthCaps
 from workers.faithful_engine import (
@@ -221,6 +223,24 @@ def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candida
     assert reply["status"] == "ERROR" and reply["text"] == ""
     assert reply["error"].startswith("unfaithful translation withheld: ratio")
     assert reply["metadata"][CANDIDATE_KEY] == "Ich habe eine kleine Einlegen, wie es gibt."
+    # through the Avro codec to the client: the reply says it was withheld and carries the text
+    client_reply = TranslationReply.from_record(decode_result(encode_result(reply)))
+    assert not client_reply.ok and client_reply.status == "ERROR"
+    assert client_reply.withheld == "Ich habe eine kleine Einlegen, wie es gibt."
+    assert client_reply.metadata[NOTE_KEY] == "withheld"
+
+
+def test_a_sent_reply_is_not_withheld_on_the_client() -> None:
+    engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH), policy="flag")
+    result = translate(engine, "I am waiting for you")
+    rec = ConsumedRecord(
+        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
+    )
+    inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
+    reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
+    client_reply = TranslationReply.from_record(decode_result(encode_result(reply)))
+    assert client_reply.ok and client_reply.withheld is None
+    assert client_reply.metadata[NOTE_KEY] == "flagged"
 
 
 def test_a_clean_answer_is_never_withheld() -> None:
