@@ -22,6 +22,7 @@ ARM_COLUMNS = (
     ("requests", "requests"),
     ("OK", "status.OK"),
     ("ERROR", "status.ERROR"),
+    ("of which withheld", "status.withheld"),
     ("REJECTED", "status.REJECTED"),
     ("EXPIRED", "status.EXPIRED"),
     ("unanswered", "status.unanswered"),

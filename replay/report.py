@@ -38,6 +38,10 @@ import numpy as np
 from replay import quality, stats
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
+# reply metadata key of the faithfulness outcome (= workers.faithful_engine.NOTE_KEY; replay
+# reads replies and imports no worker code): an ERROR reply whose value is "withheld" is also
+# counted under status "withheld" (the worker kept an unfaithful text back)
+WITHHELD_KEY = "tolk.faithful"
 PERCENTILES = (50, 95, 99)
 NOISE_SUFFIXES = ("'", "\u2032", "-copy", "_copy")
 
@@ -115,6 +119,8 @@ def _measure(
         m: dict[str, Any] = {"status": reply.get("status", "ERROR")}
         out[rid] = m
         if m["status"] != "OK":
+            # an ERROR whose text the worker's faithfulness checks kept back (issue #18)
+            m["withheld"] = (reply.get("metadata") or {}).get(WITHHELD_KEY) == "withheld"
             continue
         text = str(reply.get("text") or "")
         m["latency_ms"] = float(reply["received_ms"]) - float(req["sent_ms"])
@@ -172,6 +178,7 @@ def _arm_summary(
 ) -> dict[str, Any]:
     statuses = Counter(measures[rid]["status"] for rid in rids if rid in measures)
     counts = {s: statuses.get(s, 0) for s in STATUSES}
+    counts["withheld"] = sum(1 for rid in rids if measures.get(rid, {}).get("withheld"))
     counts["unanswered"] = sum(1 for rid in rids if rid not in measures)
     counts["duplicates"] = sum(duplicates[rid] for rid in rids)
     summary: dict[str, Any] = {"requests": len(rids), "status": counts}

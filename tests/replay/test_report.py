@@ -40,6 +40,8 @@ def run_dir(tmp_path_factory):
         + arm_replies(requests[:-1], "B", _text_b, _latency(200))  # B never answers the last
     )
     replies[-1] = reply(requests[-2], "B", "", 10.0, status="ERROR")
+    replies[-2] = reply(requests[-3], "B", "", 10.0, status="ERROR")  # withheld as unfaithful
+    replies[-2]["metadata"] = {"tolk.faithful": "withheld", "tolk.faithful.candidate": "x"}
     replies.append(reply(requests[0], "B", "a late duplicate", 900.0))
     return write_run(tmp_path_factory.mktemp("run"), requests, replies, ["A", "A'", "B"])
 
@@ -83,13 +85,13 @@ def test_worse_arm_is_worse_in_chrf_in_each_direction(report):
 
 
 def test_status_counts_unanswered_and_duplicates(report):
-    total = {"OK": 0, "ERROR": 0, "unanswered": 0, "duplicates": 0}
+    total = {"OK": 0, "ERROR": 0, "withheld": 0, "unanswered": 0, "duplicates": 0}
     for name, group in report["groups"].items():
         if name.startswith("language"):
             for key in total:
                 total[key] += group["arms"]["B"]["status"][key]
             assert group["arms"]["A"]["status"]["unanswered"] == 0
-    assert total == {"OK": N - 2, "ERROR": 1, "unanswered": 1, "duplicates": 1}
+    assert total == {"OK": N - 3, "ERROR": 2, "withheld": 1, "unanswered": 1, "duplicates": 1}
     assert report["requests"] == N and report["problems"] == 1
 
 

@@ -253,3 +253,28 @@ def test_a_clean_answer_is_never_withheld() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="policy"):
         make(lambda c: ("Danke", FinishReason.STOP), policy="drop")
+
+
+def test_readers_of_replies_use_the_same_keys() -> None:
+    # the client and replay read the outcome without importing this module
+    from replay.report import WITHHELD_KEY
+
+    assert WITHHELD_KEY == NOTE_KEY
+    reply = TranslationReply.from_record(
+        {
+            "request_id": "r",
+            "status": "ERROR",
+            "text": "",
+            "model_version": "m",
+            "source_lang": "en",
+            "target_lang": "de",
+            "timings": {},
+            "tokens_in": 0,
+            "tokens_out": 0,
+            "cached_prefix_tokens": 0,
+            "worker_id": "w",
+            "completed_at": 0,
+            "metadata": {NOTE_KEY: "withheld", CANDIDATE_KEY: "Hallo"},
+        }
+    )
+    assert reply.withheld == "Hallo"
