@@ -253,6 +253,7 @@ def worker(
         from workers.tm_engine import RetrievedExamplesEngine
 
         served = RetrievedExamplesEngine(engine, retriever)
+    retrieving = served if retriever is not None else None
     checked = None
     if faithful_checks:  # issue #18 (workers/faithful_engine.py): next, its retry needs
         from workers.faithful_engine import faithful  # the engine's prompt forms
@@ -283,8 +284,9 @@ def worker(
             idle_s=settings.context_idle_s,
         )
     runner = Worker(settings, served)
-    if checked is not None:
-        checked.bind_metrics(runner.metrics)  # the worker binds only the outermost wrapper
+    for counting in (checked, retrieving):  # the worker binds only the outermost wrapper
+        if counting is not None:
+            counting.bind_metrics(runner.metrics)  # type: ignore[attr-defined]
     from confluent_kafka import KafkaException
 
     try:

@@ -86,7 +86,22 @@ class ContextEngine(EngineWrapper):
         self._lock = threading.Lock()
         self._pending: dict[str, list[int]] = {}  # request id -> its prompt's history ids
         self.counts: Counter[str] = Counter()
+        self._metrics: Any = None  # the worker's, once bound: tolk_context_turns_total
         base.prompt_history = self.history_for
+
+    def bind_metrics(self, metrics: Any) -> None:
+        """Count in the worker's `tolk_context_turns_total` from now on, and pass the metrics
+        on to the wrappers inside that count too."""
+        self._metrics = metrics
+        for inner in {id(e): e for e in (self.inner, self.uncached)}.values():
+            bind = getattr(inner, "bind_metrics", None)
+            if callable(bind):
+                bind(metrics)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.context_turns_total.labels(outcome=outcome).inc()
 
     def submit_translation(
         self,
@@ -101,7 +116,7 @@ class ContextEngine(EngineWrapper):
     ) -> RequestHandle:
         """Queue one turn; with a known conversation history, in context (module notes)."""
         if not conversation_id:
-            self.counts["no_conversation"] += 1
+            self._count("no_conversation")
             return self.inner.submit_translation(
                 request_id=request_id,
                 text=text,
@@ -116,7 +131,7 @@ class ContextEngine(EngineWrapper):
             with self._lock:
                 self._pending[request_id] = start.history_ids
             target = self.uncached
-        self.counts["contextual" if start.turns else "no_history"] += 1
+        self._count("contextual" if start.turns else "no_history")
         try:
             handle = target.submit_translation(
                 request_id=request_id,
@@ -169,7 +184,7 @@ class ContextEngine(EngineWrapper):
         )
         turn = RecordedTurn(seq, source_lang, target_lang, text, result.text, tuple(ids))
         self.memory.record(conversation_id, turn)
-        self.counts["recorded"] += 1
+        self._count("recorded")
 
     def _answer_ids(self, result: GenerationResult) -> list[int] | None:
         """The engine's generated ids when they are the answer given (decoded and cut by the

@@ -24,6 +24,7 @@ __all__ = ["WorkerMetrics"]
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Seconds: a cache hit takes microseconds (L1) to a millisecond or so (L2, a Redis round trip).
+_RETRIEVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 
 
@@ -220,6 +221,32 @@ class WorkerMetrics:
             "prompt form was clean and answered), withheld (still suspect: an ERROR reply, the "
             "candidate in metadata), flagged (still suspect, answered with a flag in metadata).",
             ["lang", "outcome"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.tm_retrievals_total = Counter(  # workers/tm_engine.py (--tm-examples)
+            "tm_retrievals_total",
+            "Translation-memory look-ups for retrieved prompt examples, by target language and "
+            "outcome: retrieved, no_index (no index for the language pair), error (the look-up "
+            "raised; the fixed examples were used).",
+            ["lang", "outcome"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.tm_retrieval_seconds = Histogram(  # workers/tm_engine.py
+            "tm_retrieval_seconds",
+            "Time of one retrieved-examples look-up (embedding + index search), before the "
+            "request reaches the engine.",
+            namespace=ns,
+            registry=registry,
+            buckets=_RETRIEVAL_BUCKETS,
+        )
+        self.context_turns_total = Counter(  # workers/context_engine.py (--context)
+            "context_turns_total",
+            "Conversation turns by outcome: contextual (earlier turns in the prompt), "
+            "no_history (first turn of its conversation, or its history expired), "
+            "no_conversation (the request named none), recorded (kept as history).",
+            ["outcome"],
             namespace=ns,
             registry=registry,
         )

@@ -206,6 +206,11 @@ class RetrievedExamplesEngine(EngineWrapper):
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, retrieved|no_index|error)
         self.retrieval_seconds: deque[float] = deque(maxlen=4096)  # the latest, for stats
+        self._metrics: Any = None  # the worker's, once bound: tolk_tm_retrieval*
+
+    def bind_metrics(self, metrics: Any) -> None:
+        """Count in the worker's `tolk_tm_retrievals_total` / `tolk_tm_retrieval_seconds`."""
+        self._metrics = metrics
 
     def submit_translation(
         self,
@@ -239,6 +244,10 @@ class RetrievedExamplesEngine(EngineWrapper):
             self.outcomes[(target_lang, outcome)] += 1
             if found is not None and found.indexed:
                 self.retrieval_seconds.append(found.seconds)
+        if self._metrics is not None:
+            self._metrics.tm_retrievals_total.labels(lang=target_lang, outcome=outcome).inc()
+            if found is not None and found.indexed:
+                self._metrics.tm_retrieval_seconds.observe(found.seconds)
         request = self._prompts.translation_request(
             text,
             source_lang,

@@ -288,6 +288,11 @@ def test_worker_hands_the_conversation_id_to_a_context_engine(gemma_prompts: Pro
         assert CONTEXT_NOTE not in replies["x1"]["metadata"]
         assert ctx.counts == {"no_history": 1, "contextual": 1, "no_conversation": 1,
                               "recorded": 2}  # fmt: skip
+        # the worker bound its metrics: the same counts in Prometheus
+        registry = rig.worker.registry
+        for outcome, n in ctx.counts.items():
+            got = registry.get_sample_value("tolk_context_turns_total", {"outcome": outcome})
+            assert got == n, outcome
     finally:
         rig.worker.stop()
         rig.thread.join(10)

@@ -230,6 +230,22 @@ def test_each_request_is_prompted_with_its_retrieved_pairs(tm_dir: Path) -> None
     assert engine.outcomes[("de", "retrieved")] == 1 and len(engine.retrieval_seconds) == 1
 
 
+def test_retrievals_are_counted_in_prometheus_once_bound(tm_dir: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from workers.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(CollectorRegistry())
+    engine = RetrievedExamplesEngine(PromptEngine(), retriever(tm_dir, k=2))
+    engine.bind_metrics(metrics)
+    submit(engine, "Where is my order?")
+    submit(engine, "Hallo", src="de", tgt="en")
+    sample = metrics.registry.get_sample_value
+    assert sample("tolk_tm_retrievals_total", {"lang": "de", "outcome": "retrieved"}) == 1
+    assert sample("tolk_tm_retrievals_total", {"lang": "en", "outcome": "no_index"}) == 1
+    assert sample("tolk_tm_retrieval_seconds_count") == 1  # only a real look-up is timed
+
+
 def test_a_pair_without_index_is_translated_with_the_fixed_examples(tm_dir: Path) -> None:
     inner = PromptEngine()
     engine = RetrievedExamplesEngine(inner, retriever(tm_dir))
