@@ -48,6 +48,8 @@ RULES: dict[str, tuple[str, ...]] = {
         "workers.engine",
         "workers.engine_runs",
         "workers.reply_publisher",
+        "workers.reply_retry",
+        "workers.record_intake",
         "workers.serving",
         "workers.protected_engine",
         "workers.faithful_engine",

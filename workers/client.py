@@ -16,21 +16,14 @@ out, so every reply to a request sent afterwards lies at or after the pinned off
 confluent-kafka is blocking, so one background thread polls the consumer (and serves the
 producer's delivery reports) and hands results to the event loop with `call_soon_threadsafe`.
 
-No request is lost silently, and no `translate()` waits forever:
-
-* a full local queue (`BufferError` from produce) is backed off on the event loop (5 ms
-  doubling to 0.25 s, while the poll thread serves delivery reports that free room) until the
-  request's wait runs out, then `TranslationQueueFull` says so;
-* while the broker is unreachable librdkafka keeps retrying an accepted request until its
-  `message.timeout.ms`, the client's `delivery_timeout` (default: `default_timeout` +
-  `deadline_grace`, the longest a request without a deadline is waited for); a request whose
-  delivery timed out (or failed for another passing reason) is sent again, with the same
-  request id, for as long as `translate()` still waits for it (its deadline + grace, or its
-  `timeout`). So a request sent during a broker restart is delivered once the broker is back;
-* a delivery that fails for good (no such topic, too large, not authorized), or still fails
-  when the request's wait is over, resolves the request's future at once with
-  `TranslationNotDelivered` (the topic and librdkafka's reason); a produce() that raises
-  likewise; a timeout says whether the broker ever acknowledged the request.
+No request is lost silently, and no `translate()` waits forever (`RequestSender`, in
+`workers.client_delivery`): a full local queue is backed off (then `TranslationQueueFull`); a
+request librdkafka could not deliver within the client's `delivery_timeout` (default:
+`default_timeout` + `deadline_grace`, the longest a request without a deadline is waited for)
+is sent again while `translate()` still waits for it (its deadline + grace, or its `timeout`),
+so a request sent during a broker restart is delivered once the broker is back; one that
+cannot be delivered fails with `TranslationNotDelivered`; a timeout says whether the broker
+ever acknowledged the request.
 
 The reply and error types live in `workers.client_types` (re-exported here).
 """
@@ -44,7 +37,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -53,6 +45,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from schemas.codec import SchemaError, decode_result, encode_request
 from topics.catalog import REPLIES, request_topic
+from workers.client_delivery import PendingSend, RequestSender
 from workers.client_types import (
     TranslationError,
     TranslationFailed,
@@ -85,40 +78,6 @@ _TRANSIENT_METADATA_CODES = frozenset(
         KafkaError._TIMED_OUT,
     }
 )
-
-
-# Backing off a full local producer queue: the first wait, doubled up to the last.
-_QUEUE_FULL_FIRST_DELAY_S = 0.005
-_QUEUE_FULL_MAX_DELAY_S = 0.25
-_RESEND_DELAY_S = 0.1  # before sending an undelivered request again (doubled, up to 1.6 s)
-# Delivery errors no resend can fix: the request fails at once.
-_PERMANENT_PRODUCE_CODES = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._UNKNOWN_TOPIC,
-        KafkaError._UNKNOWN_PARTITION,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-        KafkaError.MSG_SIZE_TOO_LARGE,
-        KafkaError.RECORD_LIST_TOO_LARGE,
-        KafkaError.INVALID_RECORD,
-        KafkaError._INVALID_ARG,
-    }
-)
-
-
-@dataclass(slots=True)
-class _Send:
-    """One request on its way to the broker (the event loop's view)."""
-
-    rid: str
-    topic: str
-    value: bytes
-    key: bytes
-    give_up_at: float  # monotonic: when translate() stops waiting for it
-    on_delivery: Callable[[KafkaError | None, Any], None] | None = None
-    resends: int = 0  # times it was produced again after a failed delivery
-    headers: list[tuple[str, bytes]] | None = None  # W3C trace context (workers/tracing.py)
 
 
 def _seconds(value: timedelta | float | None) -> float | None:
@@ -185,8 +144,6 @@ class TranslationClient:
         self._producer_factory = producer_factory
         self._consumer_factory = consumer_factory
         self._tracer = tracer
-        self._acked: set[str] = set()  # request ids the broker acknowledged (event loop only)
-        self._resends: set[asyncio.Task[None]] = set()  # requests being sent again
         self._producer: Any = None
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
@@ -195,6 +152,8 @@ class TranslationClient:
         self._start_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, asyncio.Future[TranslationReply]] = {}
+        # produce, back off, send again (workers/client_delivery.py)
+        self._sender = RequestSender(self._pending, self._closing, self.delivery_timeout)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -230,6 +189,7 @@ class TranslationClient:
                 "message.timeout.ms": max(1, round(self.delivery_timeout * 1000)),
             }
         )
+        self._sender.producer = self._producer
         self._consumer = self._consumer_factory(
             {
                 **common,
@@ -260,6 +220,7 @@ class TranslationClient:
         if self._producer is not None:
             await asyncio.to_thread(self._producer.flush, 5.0)
             self._producer = None
+            self._sender.producer = None
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self._consumer.close)
@@ -429,95 +390,31 @@ class TranslationClient:
 
         started = time.monotonic()
         key = (conversation_id or rid).encode()
-        send = _Send(rid, topic, value, key, give_up_at=started + timeout)
+        send = PendingSend(rid, topic, value, key, give_up_at=started + timeout)
         send.headers = inject_traceparent() or None  # the current span, if any
 
         def on_delivery(err: KafkaError | None, _msg: Any) -> None:  # poll thread
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self._on_request_delivery, send, err)
+                loop.call_soon_threadsafe(self._sender.on_delivery, send, err)
 
         send.on_delivery = on_delivery
         try:
-            await self._produce(send)
+            await self._sender.produce(send)
             left = timeout - (time.monotonic() - started)
             reply = await asyncio.wait_for(fut, max(0.0, left))
         except TimeoutError:
-            if rid in self._acked:
+            if rid in self._sender.acked:
                 detail = f"sent to {topic}, waiting on {self.reply_topic}; is a worker running?"
             else:
                 detail = f"the request to {topic} was not acknowledged by the broker yet"
             raise TranslationTimeout(rid, time.monotonic() - started, detail) from None
         finally:
             self._pending.pop(rid, None)
-            self._acked.discard(rid)
+            self._sender.acked.discard(rid)
         check = self.raise_on_error if raise_on_error is None else raise_on_error
         if check and not reply.ok:
             raise TranslationFailed(reply.status, reply.error, reply)
         return reply
-
-    async def _produce(self, send: _Send) -> None:
-        """Produce one request; a full local queue is backed off on the event loop (the poll
-        thread serves the delivery reports that make room) until `send.give_up_at`."""
-        delay = _QUEUE_FULL_FIRST_DELAY_S
-        attempts = 0
-        started = time.monotonic()
-        while True:
-            attempts += 1
-            try:
-                self._producer.produce(
-                    send.topic,
-                    value=send.value,
-                    key=send.key,
-                    headers=send.headers,
-                    on_delivery=send.on_delivery,
-                )
-                return
-            except BufferError:
-                now = time.monotonic()
-                if now >= send.give_up_at or self._closing.is_set():
-                    raise TranslationQueueFull(
-                        send.rid, send.topic, attempts, now - started
-                    ) from None
-                await asyncio.sleep(min(delay, send.give_up_at - now))
-                delay = min(delay * 2, _QUEUE_FULL_MAX_DELAY_S)
-            except KafkaException as exc:
-                err = exc.args[0] if exc.args else exc
-                raise TranslationNotDelivered(send.rid, send.topic, str(err)) from exc
-
-    def _on_request_delivery(self, send: _Send, err: KafkaError | None) -> None:  # event loop
-        if send.rid not in self._pending:
-            return  # translate() has returned (timed out, or the reply came first)
-        if err is None:
-            self._acked.add(send.rid)
-            return
-        cause = str(err)
-        if err.code() == KafkaError._MSG_TIMED_OUT:
-            cause += f" (no broker acknowledged it within {self.delivery_timeout:g} s)"
-        time_left = send.give_up_at - time.monotonic()
-        if err.code() in _PERMANENT_PRODUCE_CODES or time_left <= 0 or self._closing.is_set():
-            self._fail(send.rid, TranslationNotDelivered(send.rid, send.topic, cause))
-            return
-        # Passing (the broker was unreachable for the whole delivery timeout, ...): send it
-        # again while the request is still waited for; the worker answers a request id once.
-        send.resends += 1
-        log.warning("request %s not delivered (%s); sending it again", send.rid, cause)
-        task = asyncio.get_running_loop().create_task(self._resend(send, time_left))
-        self._resends.add(task)
-        task.add_done_callback(self._resends.discard)
-
-    async def _resend(self, send: _Send, time_left: float) -> None:
-        await asyncio.sleep(min(time_left, _RESEND_DELAY_S * 2 ** min(send.resends - 1, 4)))
-        if send.rid not in self._pending:
-            return
-        try:
-            await self._produce(send)
-        except TranslationError as exc:
-            self._fail(send.rid, exc)
-
-    def _fail(self, rid: str, error: TranslationError) -> None:
-        fut = self._pending.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(error)
 
     async def translate_many(
         self,

@@ -29,13 +29,13 @@ librdkafka already retries a produce inside the producer until `message.timeout.
 (`Settings.delivery_timeout_ms`, 30 s); a delivery report with an error means that time is
 spent. What happens then:
 
-* A reply that failed for good (`PERMANENT_CODES`: the reply topic is missing or not ours to
-  write, the record is too large, the request is invalid) becomes a dead letter at once (a
-  missing topic also drops it from the `ReplyTopicChecker` cache).
+* A reply that failed for good (`PERMANENT_CODES` of `workers.reply_retry`: the reply topic
+  is missing or not ours to write, the record is too large, the request is invalid) becomes a
+  dead letter at once (a missing topic also drops it from the `ReplyTopicChecker` cache).
 * Any other failure of a reply (timeout, NOT_ENOUGH_REPLICAS, throttling, brokers down, a
-  produce() that raised) puts it on the retry queue: produced again after `retry_delay_s()`
-  (0.5 s doubling up to 30 s). After `reply_attempts` failed deliveries it becomes a dead
-  letter.
+  produce() that raised) puts it on the retry queue (`workers.reply_retry.RetryQueue`):
+  produced again after `retry_delay_s()` (0.5 s doubling up to 30 s). After `reply_attempts`
+  failed deliveries it becomes a dead letter.
 * A dead letter whose delivery fails (or whose produce() raises) is retried the same way, with
   no bound: its offset stays pending, so its partition's commit point stays behind it while the
   records after it keep being answered. One too large for the dead-letter topic goes out again
@@ -63,12 +63,10 @@ handed over with `attach()`.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -80,15 +78,19 @@ from workers.kafka_config import MISSING_TOPIC_CODES, ReplyTopicChecker
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
+from workers.reply_retry import (
+    PERMANENT_CODES,
+    TOO_LARGE_CODES,
+    Outgoing,
+    RetryQueue,
+    error_code,
+    retry_delay_s,
+    slim_down,
+)
 from workers.results_store import ResultStore, ResultStoreError
-from workers.tracing import RequestTrace, RequestTracer, request_trace
+from workers.tracing import RequestTracer, request_trace
 
-__all__ = [
-    "DEFAULT_REPLY_ATTEMPTS",
-    "PERMANENT_CODES",
-    "ReplyPublisher",
-    "retry_delay_s",
-]
+__all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyPublisher"]
 
 log = logging.getLogger(__name__)
 
@@ -97,55 +99,6 @@ log = logging.getLogger(__name__)
 _QUEUE_FULL_ATTEMPTS = 20
 TOKEN_RATE_WINDOW_S = 5.0  # the tokens-per-second gauge averages over this window
 DEFAULT_REPLY_ATTEMPTS = 5  # deliveries of a reply tried before it becomes a dead letter
-RETRY_FIRST_DELAY_S = 0.5  # the wait after the first failure; doubled after each one more
-RETRY_MAX_DELAY_S = 30.0
-_DEAD_LETTER_DETAIL_CHARS = 1000  # the exception text kept on a slimmed-down dead letter
-
-_TOO_LARGE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
-# Produce errors that no retry can fix: the record goes elsewhere (a reply: a dead letter).
-PERMANENT_CODES = (
-    MISSING_TOPIC_CODES
-    | _TOO_LARGE_CODES
-    | frozenset(
-        {
-            KafkaError.INVALID_RECORD,
-            KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-            KafkaError._INVALID_ARG,
-        }
-    )
-)
-
-
-def retry_delay_s(failures: int) -> float:
-    """The wait before producing again after `failures` failed attempts (1, 2, ...): 0.5 s,
-    doubling, at most 30 s."""
-    return min(RETRY_MAX_DELAY_S, RETRY_FIRST_DELAY_S * 2.0 ** min(max(failures, 1) - 1, 16))
-
-
-def _error_code(exc: BaseException) -> int | None:
-    """The KafkaError code inside a KafkaException (None for any other exception)."""
-    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-    return err.code() if isinstance(err, KafkaError) else None
-
-
-@dataclass(eq=False, slots=True)
-class _Outgoing:
-    """One record the publisher has to get delivered: a reply or a dead letter."""
-
-    kind: str  # "reply" | "dead_letter" (the label of tolk_reply_retries_total)
-    rec: ConsumedRecord  # the consumed record it answers
-    topic: str
-    key: bytes | None
-    value: bytes
-    store: bool = False  # a reply: store it in the results store once delivered
-    failures: int = 0  # failed attempts so far (a full local queue does not count)
-    reason: str = ""  # a dead letter: why (its `reason` field) ...
-    detail: str = ""  # ... and the exception's text
-    slim: bool = False  # a dead letter already sent without the original bytes
-    then: _Outgoing | None = None  # sent once this one is delivered; the offset waits for it
-    headers: list[tuple[str, bytes]] | None = None  # a reply's traceparent (tracing on)
-    trace: tuple[Any, RequestTrace] | None = None  # its open request span, ended on delivery
 
 
 class ReplyPublisher:
@@ -179,15 +132,12 @@ class ReplyPublisher:
         self._policies = policies  # the SLO of OK replies
         self._mark_done = mark_done
         self._now_ms = clock_ms
-        self._monotonic = monotonic  # the retry queue's clock (that of retry_due's argument)
         self._plain_model_version = plain_model_version  # replies without engine: "" or "@arm"
         self._tracer = tracer  # records each reply's spans (workers/tracing.py); None = off
         self._producer: Any = None
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
-        self._retry_heap: list[tuple[float, int, _Outgoing]] = []  # (due, seq, what)
-        self._retry_seq = 0  # tie-breaker: equal due times keep their order
-        self._retrying: set[_Outgoing] = set()  # failed at least once, not delivered yet
+        self._retries = RetryQueue(metrics, monotonic)  # workers/reply_retry.py
         self._queue_full = False  # the last produce found the local queue full for good
 
     def attach(self, producer: Any) -> None:
@@ -206,11 +156,11 @@ class ReplyPublisher:
 
     def pending_retries(self) -> int:
         """Replies and dead letters that failed at least once and are not delivered yet."""
-        return len(self._retrying)
+        return len(self._retries)
 
     def next_retry_at(self) -> float | None:
         """When (on the monotonic clock) the earliest queued retry is due; None if none is."""
-        return self._retry_heap[0][0] if self._retry_heap else None
+        return self._retries.next_due()
 
     def update_token_rate(self, now_monotonic: float) -> None:
         """Set the tokens-per-second gauge from the engine results of the last window."""
@@ -292,7 +242,7 @@ class ReplyPublisher:
         topic = str(rec.request.get("reply_topic", ""))
         if store:
             self._answered[rid] = value
-        entry = _Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store)
+        entry = Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store)
         if self._tracer is not None:
             req = request_trace(rec, engine, status)
             span, entry.headers = self._tracer.reply_headers(req)
@@ -327,7 +277,7 @@ class ReplyPublisher:
         value = encode_result(reply)
         self._answered[rid] = value
         topic = str(rec.request.get("reply_topic", ""))
-        reply_entry = _Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=True)
+        reply_entry = Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=True)
         self.dead_letter(rec, reason, error, then=reply_entry)
 
     def dead_letter(
@@ -336,7 +286,7 @@ class ReplyPublisher:
         reason: str,
         exc: BaseException | str,
         *,
-        then: _Outgoing | None = None,
+        then: Outgoing | None = None,
     ) -> None:
         """Write the record byte for byte to the dead-letter topic with `reason` and the
         exception's text; its offset is done once that is delivered (retried until it is)."""
@@ -356,7 +306,7 @@ class ReplyPublisher:
                 self._mark_done(rec.tp, rec.offset)
             return
         self._send(
-            _Outgoing(
+            Outgoing(
                 "dead_letter",
                 rec,
                 self.dead_letter_topic,
@@ -373,15 +323,13 @@ class ReplyPublisher:
     def retry_due(self, now_monotonic: float) -> int:
         """Produce again every queued reply and dead letter due at `now_monotonic` (the
         worker's loop calls this each iteration); returns how many were produced."""
-        due: list[_Outgoing] = []
-        while self._retry_heap and self._retry_heap[0][0] <= now_monotonic:
-            due.append(heapq.heappop(self._retry_heap)[2])
+        due = self._retries.pop_due(now_monotonic)
         for entry in due:
             self.metrics.reply_retries_total.labels(kind=entry.kind).inc()
             self._send(entry, queue_full_attempts=1)
         return len(due)
 
-    def _send(self, entry: _Outgoing, queue_full_attempts: int = _QUEUE_FULL_ATTEMPTS) -> None:
+    def _send(self, entry: Outgoing, queue_full_attempts: int = _QUEUE_FULL_ATTEMPTS) -> None:
         """Produce `entry`; its outcome arrives in `_delivered` / `_failed`."""
 
         def on_delivery(err: KafkaError | None, _msg: Any) -> None:
@@ -400,15 +348,14 @@ class ReplyPublisher:
                 entry.headers,
             )
         except Exception as exc:
-            code = _error_code(exc)
+            code = error_code(exc)
             if code == KafkaError._QUEUE_FULL:
-                self._schedule(entry)  # a full local queue is not an attempt
+                self._retries.schedule(entry)  # a full local queue is not an attempt
             else:
                 self._failed(entry, code, repr(exc))
 
-    def _delivered(self, entry: _Outgoing) -> None:
-        self._retrying.discard(entry)
-        self._update_retry_gauge()
+    def _delivered(self, entry: Outgoing) -> None:
+        self._retries.settle(entry)
         self._end_trace(entry, "")
         rec = entry.rec
         if entry.kind == "reply" and entry.store:
@@ -420,7 +367,7 @@ class ReplyPublisher:
             return
         self._mark_done(rec.tp, rec.offset)
 
-    def _failed(self, entry: _Outgoing, code: int | None, error: str) -> None:
+    def _failed(self, entry: Outgoing, code: int | None, error: str) -> None:
         """A produce of `entry` raised (`code` None for a non-Kafka exception) or its delivery
         failed: retry it, dead-letter it, or (a dead letter too large) slim it down."""
         entry.failures += 1
@@ -444,11 +391,11 @@ class ReplyPublisher:
                     self.reply_attempts,
                     error,
                 )
-                self._schedule(entry)
+                self._retries.schedule(entry)
             return
         self.metrics.errors_total.labels(lang=rec.lang, reason="dead_letter_failed").inc()
-        if code in _TOO_LARGE_CODES and not entry.slim:
-            self._slim_down(entry, error)
+        if code in TOO_LARGE_CODES and not entry.slim:
+            slim_down(entry, error, self._now_ms())
             self._send(entry)
             return
         log.error(
@@ -459,42 +406,21 @@ class ReplyPublisher:
             retry_delay_s(entry.failures),
             error,
         )
-        self._schedule(entry)
+        self._retries.schedule(entry)
 
-    def _end_trace(self, entry: _Outgoing, failure: str) -> None:
+    def _end_trace(self, entry: Outgoing, failure: str) -> None:
         if self._tracer is not None and entry.trace is not None:
             (span, req), entry.trace = entry.trace, None
             if failure:
                 req.status = failure
             self._tracer.finish(span, req, time.time_ns())
 
-    def _give_up_reply(self, entry: _Outgoing, reason: str, why: str) -> None:
-        self._retrying.discard(entry)
-        self._update_retry_gauge()
+    def _give_up_reply(self, entry: Outgoing, reason: str, why: str) -> None:
+        self._retries.settle(entry)
         self._end_trace(entry, reason)
         if entry.store:
             self._answered.pop(entry.rec.request_id, None)
         self.dead_letter(entry.rec, reason, why)
-
-    def _slim_down(self, entry: _Outgoing, error: str) -> None:
-        """Rebuild a dead letter the topic refused as too large without the original bytes
-        (topic, partition and offset on it still say where they are)."""
-        rec = entry.rec
-        note = f"original of {len(rec.value)} bytes left out: dead letter too large ({error})"
-        slim = ConsumedRecord(rec.tp, rec.offset, rec.key, b"", rec.lang, rec.broker_ts_ms)
-        detail = entry.detail[:_DEAD_LETTER_DETAIL_CHARS]
-        entry.value = dead_letter_value(slim, entry.reason, f"{detail}; {note}", self._now_ms())
-        entry.slim = True
-
-    def _schedule(self, entry: _Outgoing) -> None:
-        self._retrying.add(entry)
-        self._update_retry_gauge()
-        due = self._monotonic() + retry_delay_s(entry.failures)
-        self._retry_seq += 1
-        heapq.heappush(self._retry_heap, (due, self._retry_seq, entry))
-
-    def _update_retry_gauge(self) -> None:
-        self.metrics.reply_retry_pending.set(len(self._retrying))
 
     # -- the producer -------------------------------------------------------------------------
 

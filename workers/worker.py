@@ -39,13 +39,14 @@ only put `(request_id, result)` on a queue. Kafka's rebalance and delivery callb
 served from `consume()` / `producer.poll()` on the poll thread.
 
 The pieces around this loop live beside it: `kafka_config` (client settings, the reply-topic
-check), `records` (what is held per record and per in-flight request), `validation` (checks
-before the engine), `deadlines` (the request deadline on the engine's clock, the EXPIRED rule),
-`reply_publisher` (produce, store, dead letters, offsets done; it builds replies with
-`replies`), `partitions` (assignment, pauses, rewinds, commits, ownership), `engine_runs` and
-`retries` (submit, results, bounded retries). The worker keeps the loop, intake, dispatch,
-rebalance callbacks and commits. A `FairEngine`'s fair-share gauges are read from its
-`queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
+check), `records` (what is held per record and per in-flight request), `record_intake` (a
+consumed batch: quotas and rewinds, decoding, arm routing, duplicates, checks, submit),
+`validation` (checks before the engine), `deadlines` (the request deadline on the engine's
+clock, the EXPIRED rule), `reply_publisher` (produce, store, dead letters, offsets done; it
+builds replies with `replies`), `partitions` (assignment, pauses, rewinds, commits,
+ownership), `engine_runs` and `retries` (submit, results, bounded retries). The worker keeps
+the loop, intake pauses, rebalance callbacks, shutdown and commits. A `FairEngine`'s fair-share
+gauges are read from its `queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
 """
 
 from __future__ import annotations
@@ -55,13 +56,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import SchemaError, decode_request
 from topics.catalog import DEAD_LETTERS, request_topic
 from workers.arm_control import ShareSource
 from workers.arm_routing import ArmRouter, ArmScopedStore
@@ -79,18 +79,17 @@ from workers.kafka_config import (
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
 from workers.process_hooks import install_stop_signals, start_metrics_server, worker_registry
-from workers.records import ConsumedRecord, InFlight
+from workers.record_intake import RecordIntake
+from workers.records import InFlight
 from workers.replies import STATUS_OF
 from workers.reply_publisher import ReplyPublisher
 from workers.results_store import (
     CircuitBreakerStore,
     RedisResultStore,
     ResultStore,
-    ResultStoreError,
 )
 from workers.settings import Settings
-from workers.tracing import request_tracer, traceparent_of
-from workers.validation import validate_request
+from workers.tracing import request_tracer
 
 __all__ = ["STATUS_OF", "Worker", "consumer_config", "producer_config"]
 
@@ -170,7 +169,6 @@ class Worker:
             plain_model_version=self.arms.model_version("") if self.arms else "",
             tracer=request_tracer(settings, tracer_provider),
         )
-        self._tracing = self.publisher.tracing
         self.runs = EngineRuns(  # the requests in the engine: submit, results, retries
             engine,
             settings,
@@ -181,6 +179,20 @@ class Worker:
             self._now_ms,
         )
         self._inflight: dict[str, InFlight] = self.runs.inflight  # request id -> in the engine
+        self.records = RecordIntake(  # a consumed batch: quotas, decode, dispatch
+            settings=settings,
+            engine=engine,
+            topic_lang=self.topic_lang,
+            intake=self.intake,
+            partitions=self.partitions,
+            store=self.store,
+            publisher=self.publisher,
+            runs=self.runs,
+            metrics=self.metrics,
+            arms=self.arms,
+            reply_topics=self._reply_topics,
+            clock_ms=self._now_ms,
+        )
         self._last_gauges = 0.0
         self._stop_event = threading.Event()
         self.assigned_event = threading.Event()  # set once the first assignment arrived
@@ -265,7 +277,7 @@ class Worker:
             msgs = self._consume()
             if msgs:
                 self.metrics.batch_size.observe(len(msgs))
-                self._handle_batch(msgs)
+                self.records.handle_batch(msgs, self._consumer, self._producer, self._draining)
             self.runs.drain_done()
             self.partitions.retry_rewinds(self._consumer)
             self._producer.poll(0)
@@ -330,141 +342,6 @@ class Worker:
             self._consumer.close()
         with contextlib.suppress(Exception):
             self.engine.stop(drain=False, timeout=2.0)
-
-    # -- records in ---------------------------------------------------------------------------
-
-    def _handle_batch(self, msgs: Iterable[Any]) -> None:
-        ready: list[ConsumedRecord] = []
-        taken: dict[str, int] = {}  # records of this batch per language, not yet submitted
-        rewound: set[tuple[str, int]] = set()
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                self._on_consume_error(err)
-                continue
-            if self._draining:
-                continue  # not handed: stays above the commit point, read again later
-            tp = (msg.topic(), msg.partition())
-            if tp in rewound or tp in self.partitions.held:
-                continue  # read again from the rewound offset (once the seek went through)
-            lang = self.topic_lang.get(tp[0], "unknown")
-            if self._over_quota(lang, taken):
-                # One consume() batch can hold hundreds of a flooding language's records:
-                # handing them all over would blow its intake quota and the global cap (which
-                # pauses every language, the light ones too). Rewind the partition to this
-                # record instead; the language is paused at the end of the iteration. A seek
-                # that fails holds the partition until a retry works (PartitionState.rewind).
-                self.partitions.rewind(self._consumer, tp, msg.offset())
-                rewound.add(tp)
-                continue
-            taken[lang] = taken.get(lang, 0) + 1
-            if not self.tracker.track(tp, msg.offset()):
-                continue  # partition revoked meanwhile
-            ts_type, ts = msg.timestamp()
-            rec = ConsumedRecord(
-                tp=tp,
-                offset=msg.offset(),
-                key=msg.key(),
-                value=msg.value() or b"",
-                lang=lang,
-                broker_ts_ms=ts if ts_type and ts > 0 else self._now_ms(),
-                generation=self.partitions.generation(tp),
-            )
-            if self._tracing:
-                rec.trace_parent = traceparent_of(msg.headers())
-                rec.taken_ns = time.time_ns()
-            try:
-                if self._decode_and_route(rec):
-                    ready.append(rec)
-            except Exception as exc:
-                self.publisher.dead_letter(rec, "poison", exc)
-        if ready:
-            self._dispatch(ready)
-
-    def _over_quota(self, lang: str, taken: Mapping[str, int]) -> bool:
-        """Would one more record of `lang` exceed its intake high water or the global cap?"""
-        high = self.intake.high_water(lang)
-        if high is not None and self.intake.depth(lang) + taken.get(lang, 0) >= high:
-            return True
-        return len(self._inflight) + sum(taken.values()) >= self.settings.max_in_flight
-
-    def _on_consume_error(self, err: KafkaError) -> None:
-        if err.code() == KafkaError._PARTITION_EOF:
-            return
-        if is_fatal(err):
-            raise KafkaException(err)
-        log.warning("consumer error: %s", err)
-
-    def _decode_and_route(self, rec: ConsumedRecord) -> bool:
-        """Decode and check the reply topic; False when the record was dead-lettered."""
-        dead_letter = self.publisher.dead_letter
-        try:
-            rec.request = decode_request(rec.value)
-        except SchemaError as exc:
-            if self._for_this_arm(rec):  # routed by its key: one arm dead-letters it
-                dead_letter(rec, "undecodable", exc)
-            return False
-        if not self._for_this_arm(rec):
-            return False
-        if not rec.request_id:
-            dead_letter(rec, "invalid", "request_id is empty: no reply can be correlated")
-            return False
-        topic = str(rec.request.get("reply_topic", ""))
-        problem = self._reply_topics.problem(self._producer, topic)
-        if problem is not None:
-            dead_letter(rec, "reply_topic_missing", problem)
-            return False
-        return True
-
-    def _for_this_arm(self, rec: ConsumedRecord) -> bool:
-        """False for another arm's record, which is then done without a reply (arm_routing)."""
-        if self.arms is None or self.arms.serves(rec):
-            return True
-        self.partitions.mark_done(rec.tp, rec.offset)
-        return False
-
-    def _dispatch(self, records: list[ConsumedRecord]) -> None:
-        """Answer from the store what was answered before; check and submit the rest."""
-        lookup = [r for r in records if r.request_id not in self._inflight]
-        try:
-            stored_list = self.store.get_many([r.request_id for r in lookup])
-        except ResultStoreError as exc:
-            log.warning("result store lookup failed (translating anyway): %s", exc)
-            stored_list = [None] * len(lookup)
-        stored = {r.request_id: v for r, v in zip(lookup, stored_list, strict=True) if v}
-        engine_languages = tuple(getattr(self.engine, "languages", ()) or ())
-        for rec in records:
-            try:
-                rid = rec.request_id
-                inflight = self._inflight.get(rid)
-                if inflight is not None:
-                    self.metrics.duplicates_total.inc()
-                    # the same record read again (partition assigned back) replaces its old copy
-                    key = (rec.tp, rec.offset)
-                    inflight.records = [r for r in inflight.records if (r.tp, r.offset) != key]
-                    inflight.records.append(rec)
-                    continue
-                previous = self.publisher.pending_reply(rid) or stored.get(rid)
-                if previous is not None:
-                    self.metrics.duplicates_total.inc()
-                    self.publisher.produce_reply(rec, previous, store=False)
-                    continue
-                problem = validate_request(
-                    rec.request,
-                    topic=rec.tp[0],
-                    topic_lang=rec.lang,
-                    served=self.settings.languages,
-                    engine_languages=engine_languages,
-                    max_text_bytes=self.settings.max_text_bytes,
-                    now_ms=self._now_ms(),
-                )
-                if problem is not None:
-                    status, reason, error = problem
-                    self.publisher.answer_without_engine(rec, status, reason, error)
-                    continue
-                self.runs.submit(rec)
-            except Exception as exc:
-                self.publisher.dead_letter(rec, "poison", exc)
 
     # -- intake quotas ------------------------------------------------------------------------
 

@@ -31,7 +31,8 @@ from workers.kafka_config import ReplyTopicChecker
 from workers.metrics import WorkerMetrics
 from workers.offsets import OffsetTracker
 from workers.records import ConsumedRecord
-from workers.reply_publisher import ReplyPublisher, retry_delay_s
+from workers.reply_publisher import ReplyPublisher
+from workers.reply_retry import retry_delay_s
 from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
 from workers.worker import Worker
