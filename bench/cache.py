@@ -70,6 +70,7 @@ class ModelFreeEngine:
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> Any:
         from workers.engine.types import RequestHandle
 

@@ -87,6 +87,7 @@ class _Waiter:
     request_id: str
     handle: RequestHandle  # what the worker holds
     deadline: float | None
+    conversation_id: str | None = None  # passed on to the inner run this request starts
 
 
 @dataclass(slots=True)
@@ -200,8 +201,14 @@ class CachingEngine(EngineWrapper):
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
-        """Answer from L1 / L2, join the identical request in flight, or run the engine."""
+        """Answer from L1 / L2, join the identical request in flight, or run the engine.
+
+        The conversation id is not part of the key: only context-free requests come here (the
+        context engine sends a turn with history around the cache, `uncached`), and their
+        answer does not depend on the conversation. It goes on to the inner run the request
+        starts; a request that joins a flight shares that run, under the starter's id."""
         t0 = time.perf_counter()
         if len(text) > self.max_text_chars:
             self._count(target_lang, "bypass")
@@ -212,6 +219,7 @@ class CachingEngine(EngineWrapper):
                 target_lang=target_lang,
                 deadline=deadline,
                 max_new_tokens=max_new_tokens,
+                conversation_id=conversation_id,
             )
         key = cache_key(
             engine_fingerprint=self.fingerprint,
@@ -224,7 +232,9 @@ class CachingEngine(EngineWrapper):
         cached = self.l1.get(target_lang, key)
         if cached is not None:
             return self._hit(request_id, key, cached, "l1", t0)
-        waiter = _Waiter(request_id, RequestHandle(request_id, self._cancel), deadline)
+        waiter = _Waiter(
+            request_id, RequestHandle(request_id, self._cancel), deadline, conversation_id
+        )
         if self._join(key, waiter):
             return waiter.handle
         if self.l2 is not None:
@@ -300,6 +310,7 @@ class CachingEngine(EngineWrapper):
                 target_lang=lang,
                 deadline=waiter.deadline,
                 max_new_tokens=flight.max_new_tokens,
+                conversation_id=waiter.conversation_id,
             )
         except Exception as exc:
             others = self._land(flight)

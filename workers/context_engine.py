@@ -2,8 +2,8 @@
 prompt (issue #15, part 3; an arm option, off by default: `tolk worker --context`).
 
 The history itself, its token budget and the growing-prefix layout are `workers/context.py`;
-this wrapper puts them on the request path. It is the outermost wrapper, because the worker
-hands it the request's `conversation_id` (the worker passes the id to an engine whose
+this wrapper puts them on the request path. It is the outermost wrapper, because it acts on
+the request's `conversation_id` (which the worker passes to every engine: the protocol's
 `submit_translation` takes it) and because it decides which requests may see the cache:
 
 1. `submit_translation(..., conversation_id=...)`: the turn gets its place in the order spoken
@@ -127,6 +127,8 @@ class ContextEngine(EngineWrapper):
             )
         start = self.memory.begin_turn(conversation_id)
         target = self.inner
+        # the id goes inward too: harmless, every wrapper inside passes it on or ignores it
+        # (the cache does not key on it), and the engine ignores it (history comes by the hook)
         if start.history_ids:
             with self._lock:
                 self._pending[request_id] = start.history_ids
@@ -140,6 +142,7 @@ class ContextEngine(EngineWrapper):
                 target_lang=target_lang,
                 deadline=deadline,
                 max_new_tokens=max_new_tokens,
+                conversation_id=conversation_id,
             )
         finally:
             with self._lock:  # the prompt is built inside submit: the ids are used or never

@@ -96,6 +96,7 @@ class DrillEngine(EngineWrapper):
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
         inner = self.inner.submit_translation(
             request_id=request_id,
@@ -104,6 +105,7 @@ class DrillEngine(EngineWrapper):
             target_lang=target_lang,
             deadline=deadline,
             max_new_tokens=max_new_tokens,
+            conversation_id=conversation_id,
         )
         faults = [f for f in self.faults if f.hits(target_lang, request_id)]
         if not faults:

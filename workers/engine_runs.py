@@ -23,7 +23,6 @@ hands them over and deals with what comes back, on the worker's poll thread:
 
 from __future__ import annotations
 
-import inspect
 import queue
 import time
 from collections.abc import Callable
@@ -70,10 +69,6 @@ class EngineRuns:
         self.inflight: dict[str, InFlight] = {}  # request id -> the request in the engine
         self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
         self._retries = EngineRetries(settings.max_attempts)
-        # an engine with conversation context (workers/context_engine.py) takes the id
-        self._pass_conversation = (
-            "conversation_id" in inspect.signature(engine.submit_translation).parameters
-        )
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -97,7 +92,6 @@ class EngineRuns:
             req.get("deadline"), now_ms=self._now_ms(), now_monotonic=time.monotonic()
         )
         policy = self.settings.policy(rec.lang)
-        conversation = {"conversation_id": req.get("conversation_id") or None}
         try:
             handle = self.engine.submit_translation(
                 request_id=rid,
@@ -106,7 +100,8 @@ class EngineRuns:
                 target_lang=str(req["target_lang"]),
                 deadline=deadline,
                 max_new_tokens=policy.max_new_tokens if policy else None,
-                **(conversation if self._pass_conversation else {}),
+                # every engine takes it; one that keeps context uses it (context_engine.py)
+                conversation_id=req.get("conversation_id") or None,
             )
         except Exception as exc:
             unsupported = isinstance(exc, UnsupportedLanguage)

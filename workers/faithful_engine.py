@@ -103,6 +103,7 @@ class _Job:
     cap: int  # max_new_tokens the inner engine runs with
     guard_binding: bool  # the length guard's cap is tighter than the language's max_new_tokens
     handle: RequestHandle  # what the caller holds
+    conversation_id: str | None = None
     inner: RequestHandle | None = None  # the inner run now in flight
     cancelled: bool = False
 
@@ -163,6 +164,7 @@ class FaithfulEngine(EngineWrapper):
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
         """Queue one translation under the length guard; its answer is checked when done."""
         requested = max_new_tokens or self.default_max_new_tokens
@@ -176,6 +178,7 @@ class FaithfulEngine(EngineWrapper):
             cap=min(guard, requested),
             guard_binding=guard < requested,
             handle=RequestHandle(request_id, self._cancel),
+            conversation_id=conversation_id,
         )
         with self._lock:
             self._jobs[request_id] = job
@@ -187,6 +190,7 @@ class FaithfulEngine(EngineWrapper):
                 target_lang=target_lang,
                 deadline=deadline,
                 max_new_tokens=job.cap,
+                conversation_id=conversation_id,
             )
         except Exception:
             with self._lock:
@@ -225,6 +229,9 @@ class FaithfulEngine(EngineWrapper):
                 deadline=job.deadline,
                 max_new_tokens=job.cap,
                 prompt_form=self.retry_form,
+                # the same turn: passed on, though the base engine's history hook gives the
+                # retry form no history (workers/context_engine.py)
+                conversation_id=job.conversation_id,
             )
         except Exception as exc:  # the engine is stopping: answer what we have, flagged
             self._flag(job, result, first, retry=f"not submitted: {type(exc).__name__}: {exc}")

@@ -88,6 +88,7 @@ class _Job:
     max_new_tokens: int | None
     masked: Masked
     handle: RequestHandle  # what the caller holds
+    conversation_id: str | None = None
     inner: RequestHandle | None = None  # the inner run now in flight
     cancelled: bool = False
 
@@ -125,6 +126,7 @@ class ProtectedSpansEngine(EngineWrapper):
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
         """Queue one translation, masked when its text has protected spans."""
         spans = find_spans(text)
@@ -137,6 +139,7 @@ class ProtectedSpansEngine(EngineWrapper):
                 target_lang=target_lang,
                 deadline=deadline,
                 max_new_tokens=max_new_tokens,
+                conversation_id=conversation_id,
             )
 
         if not spans:
@@ -147,7 +150,15 @@ class ProtectedSpansEngine(EngineWrapper):
             return self._skipped(submit(text), target_lang, len(spans))
         handle = RequestHandle(request_id, self._cancel)
         job = _Job(
-            request_id, text, source_lang, target_lang, deadline, max_new_tokens, masked, handle
+            request_id,
+            text,
+            source_lang,
+            target_lang,
+            deadline,
+            max_new_tokens,
+            masked,
+            handle,
+            conversation_id=conversation_id,
         )
         with self._lock:
             self._jobs[request_id] = job
@@ -188,6 +199,8 @@ class ProtectedSpansEngine(EngineWrapper):
                     target_lang=job.target_lang,
                     deadline=job.deadline,
                     max_new_tokens=job.max_new_tokens,
+                    # the same turn of the same conversation, asked again unmasked
+                    conversation_id=job.conversation_id,
                 )
             except Exception as submit_exc:  # the engine is stopping: answer what we have
                 why = f"unmasked retry not submitted: {type(submit_exc).__name__}: {submit_exc}"

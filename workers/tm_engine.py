@@ -222,8 +222,11 @@ class RetrievedExamplesEngine(EngineWrapper):
         deadline: float | None = None,
         max_new_tokens: int | None = None,
         prompt_form: str | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
-        """Queue one translation whose prompt shows the nearest TM pairs."""
+        """Queue one translation whose prompt shows the nearest TM pairs. The conversation id
+        is not passed on: the request this builds goes to the engine's `submit`, and a
+        turn's history reaches its prompt by the engine's `prompt_history` hook."""
         notes: dict[str, str]
         examples: tuple[tuple[str, str], ...]
         try:

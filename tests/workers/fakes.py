@@ -75,6 +75,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.poison = poison  # text -> does it make the engine's step raise?
         self.submitted: list[str] = []  # request ids, in submission order
+        self.conversations: dict[str, str | None] = {}  # request id -> its conversation_id
         self._jobs: list[_Job] = []
         self._cancelled: set[str] = set()
         self._cv = threading.Condition()
@@ -95,6 +96,7 @@ class FakeEngine:
         target_lang: str,
         deadline: float | None = None,
         max_new_tokens: int | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
         if target_lang not in self.languages:
             raise UnsupportedLanguage(f"no prompt for target language {target_lang!r}")
@@ -103,6 +105,7 @@ class FakeEngine:
         handle = RequestHandle(request_id, self._cancel)
         with self._cv:
             self.submitted.append(request_id)
+            self.conversations[request_id] = conversation_id
             self._jobs.append(_Job(request_id, text, target_lang, deadline, handle))
             self._cv.notify_all()
         return handle

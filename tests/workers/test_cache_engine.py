@@ -164,6 +164,24 @@ def test_cancel_detaches_one_participant_and_the_last_cancels_the_run(
     assert submit(engine, "e", text="Okay.").result(5).notes["tolk.cache"] == "miss"
 
 
+def test_the_conversation_id_goes_to_the_run_and_is_not_in_the_key(
+    engine: CachingEngine,
+) -> None:
+    engine.inner.hold()
+    leader = submit(engine, "x1", deadline=time.monotonic() + 0.05, conversation_id="c1")
+    joined = submit(engine, "x2", conversation_id="c2")  # shares x1's run
+    time.sleep(0.1)
+    engine.inner.release()
+    assert leader.result(5).finish_reason is FinishReason.EXPIRED
+    assert joined.result(5).notes["tolk.cache"] == "miss"  # flew again, on its own id
+    hit = submit(engine, "x3", conversation_id="c3").result(5)
+    assert hit.notes["tolk.cache"] == "l1"  # another conversation, the same entry
+    assert engine.inner.conversations == {"x1": "c1", "x2": "c2"}
+    long = "ein Satz, der zu lang ist für den Cache " * 60
+    submit(engine, "x4", text=long, conversation_id="c4").result(5)
+    assert engine.inner.conversations["x4"] == "c4"  # the bypass passes it on too
+
+
 class NotingEngine(FakeEngine):
     """Adds fixed notes to every result (what a flagging wrapper does)."""
 

@@ -127,7 +127,8 @@ class PromptEngine:
 
     def submit_translation(self, *, request_id: str, text: str, source_lang: str,
                            target_lang: str, deadline: float | None = None,
-                           max_new_tokens: int | None = None) -> RequestHandle:  # fmt: skip
+                           max_new_tokens: int | None = None,
+                           conversation_id: str | None = None) -> RequestHandle:  # fmt: skip
         ids, prefix_len = self.prompts.build(text, source_lang, target_lang)
         history = self.prompt_history(request_id, None) if self.prompt_history else None
         ids[prefix_len:prefix_len] = history or []
@@ -249,6 +250,8 @@ def test_cache_never_answers_a_contextual_turn_and_keeps_only_context_free_ones(
         assert "tolk.cache" not in again.notes and "a3" in engine.submitted
         assert again.text == fake_translation("Danke.", "en")
         assert ctx.counts["contextual"] == 2 and ctx.counts["no_history"] == 3
+        # the id goes inward on both paths: around the cache (a2) and through it (a1, b1)
+        assert [engine.conversations[rid] for rid in ("a1", "a2", "b1")] == ["A", "A", "B"]
     finally:
         cache.stop()
         engine.stop()
@@ -288,6 +291,7 @@ def test_worker_hands_the_conversation_id_to_a_context_engine(gemma_prompts: Pro
         assert CONTEXT_NOTE not in replies["x1"]["metadata"]
         assert ctx.counts == {"no_history": 1, "contextual": 1, "no_conversation": 1,
                               "recorded": 2}  # fmt: skip
+        assert engine.conversations == {"t1": "conv-9", "t2": "conv-9", "x1": None}
         # the worker bound its metrics: the same counts in Prometheus
         registry = rig.worker.registry
         for outcome, n in ctx.counts.items():

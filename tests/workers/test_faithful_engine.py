@@ -40,6 +40,7 @@ class Call:
     text: str
     max_new_tokens: int | None
     prompt_form: str | None
+    conversation_id: str | None = None
 
 
 Script = Callable[[Call], tuple[str, FinishReason]]
@@ -64,8 +65,9 @@ class ScriptedEngine:
         deadline: float | None = None,
         max_new_tokens: int | None = None,
         prompt_form: str | None = None,
+        conversation_id: str | None = None,
     ) -> RequestHandle:
-        call = Call(request_id, text, max_new_tokens, prompt_form)
+        call = Call(request_id, text, max_new_tokens, prompt_form, conversation_id)
         self.calls.append(call)
         out, reason = self.script(call)
         handle = RequestHandle(request_id, lambda _rid: None)
@@ -120,6 +122,18 @@ def test_a_leak_is_retried_with_the_retry_form() -> None:
     assert result.tokens_out == len(PATIENCE_DE.split()) + 1  # the work of both runs
     assert engine.checks == {("de", "leak"): 1, ("de", "ratio"): 1}
     assert engine.outcomes == {("de", "retried"): 1}
+
+
+def test_the_conversation_id_goes_to_the_run_and_its_retry() -> None:
+    engine, inner = make(
+        lambda c: (PATIENCE_DE if c.prompt_form is None else "Danke", FinishReason.STOP)
+    )
+    result = translate(engine, "Thanks", conversation_id="conv-3")
+    assert result.notes[NOTE_KEY] == "retried"
+    assert [(c.request_id, c.conversation_id) for c in inner.calls] == [
+        ("r1", "conv-3"),
+        ("r1" + RETRY_SUFFIX, "conv-3"),
+    ]
 
 
 def test_a_guard_stop_is_retried_and_flagged_when_the_retry_stops_there_too() -> None:

@@ -111,6 +111,15 @@ def test_restore_failure_retries_unmasked(make_engine, rewrite, problem: str) ->
     assert result.tokens_in == masked_tokens_in + len(TEXT.split()) + 10
 
 
+def test_the_conversation_id_goes_to_the_masked_run_and_the_unmasked_retry(make_engine) -> None:
+    engine, inner = make_engine(rewrite=lambda t: t.replace("<x2>", ""))
+    result = translate(engine, TEXT, conversation_id="conv-5")
+    assert result.notes[NOTE_KEY] == "retried_unmasked"
+    assert inner.conversations == {"r1": "conv-5", "r1" + RETRY_SUFFIX: "conv-5"}
+    translate(engine, "no spans here", request_id="r2", conversation_id="conv-6")
+    assert inner.conversations["r2"] == "conv-6"
+
+
 def test_unmasked_retry_that_loses_a_span_is_flagged(make_engine) -> None:
     engine, _ = make_engine(
         rewrite=lambda t: t.replace("<x2>", ""),

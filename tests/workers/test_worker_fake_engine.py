@@ -40,11 +40,12 @@ def request_bytes(
     src: str = "en",
     reply_topic: str = REPLIES,
     deadline: int | None = None,
+    conversation_id: str | None = None,
 ) -> bytes:
     return encode_request(
         {
             "request_id": rid,
-            "conversation_id": None,
+            "conversation_id": conversation_id,
             "source_lang": src,
             "target_lang": target,
             "text": text,
@@ -497,3 +498,36 @@ def test_no_ok_reply_after_the_deadline() -> None:
     finally:
         r.worker.stop()
         r.thread.join(10)
+
+
+def test_the_engine_gets_each_request_conversation_id() -> None:
+    """`EngineRuns` hands every engine the request's `conversation_id` (an empty one as None),
+    and the wrappers of `tolk worker --protect-spans` without `--context` (the cache outermost,
+    then span protection, the faithfulness guard innermost) pass it on to the engine, a masked
+    run included."""
+    from workers.cache_engine import with_translation_cache
+    from workers.faithful_engine import faithful
+    from workers.protected_engine import protect_spans
+    from workers.tm.redis_cache import InMemoryTranslationCache
+
+    plain = make_rig()
+    inner = FakeEngine()
+    chain = protect_spans(faithful(inner))
+    cached = with_translation_cache(chain, Settings(), l2=InMemoryTranslationCache())
+    wrapped = make_rig(engine=cached)
+    try:
+        for rig in (plain, wrapped):
+            rig.send(request_bytes("c1", conversation_id="conv-7"), "de", key=b"c1")
+            rig.send(request_bytes("c2", "Order A-12345 now", conversation_id="conv-8"), "de")
+            rig.send(request_bytes("c3", "good morning", conversation_id=""), "de", key=b"c3")
+            rig.send(request_bytes("c4", "no conversation at all"), "de", key=b"c4")
+        for rig in (plain, wrapped):
+            wait_for(lambda rig=rig: rig.reply_count() == 4, what="4 replies")
+        want = {"c1": "conv-7", "c2": "conv-8", "c3": None, "c4": None}
+        assert plain.engine.conversations == want
+        assert inner.conversations == want
+        assert wrapped.replies()["c2"]["metadata"]["tolk.protected_spans"] == "restored"
+    finally:
+        for rig in (plain, wrapped):
+            rig.worker.stop()
+            rig.thread.join(10)

@@ -206,6 +206,7 @@ class Engine:
         deadline: float | None = None,
         max_new_tokens: int | None = None,
         prompt_form: str | None = None,
+        conversation_id: str | None = None,  # ignored: history comes by `prompt_history`
     ) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
         return self.submit(

@@ -180,6 +180,9 @@ class TranslationEngine(Protocol):
         target_lang: str,
         deadline: float | None = None,  # absolute time.monotonic()
         max_new_tokens: int | None = None,
+        # the request's conversation: used by an engine that keeps context
+        # (workers/context_engine.py), passed on by wrappers, ignored by the others
+        conversation_id: str | None = None,
     ) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
         ...

@@ -108,6 +108,7 @@ class FairEngine:
         deadline: float | None = None,
         max_new_tokens: int | None = None,
         prompt_form: str | None = None,
+        conversation_id: str | None = None,  # ignored, as by the engine it queues for
     ) -> RequestHandle:
         request = self.engine.translation_request(
             text,
