@@ -180,7 +180,8 @@ def worker(
         bool,
         typer.Option(
             "--context/--no-context",
-            help="Earlier turns of the conversation in the prompt (TOLK_CONTEXT_TOKENS budget).",
+            help="Earlier turns of the conversation in the prompt (TOLK_CONTEXT_TOKENS budget). "
+            "Measured worse with Gemma 3 270M (docs/BENCHMARKS.md): A/B it before use.",
         ),
     ] = False,
     drill_inject_latency: Annotated[
