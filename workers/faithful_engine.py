@@ -24,7 +24,8 @@ Flow of one request:
      A support bot that shows a customer a promise nobody made is worse than no translation
      (issue #18): the client gets the reason and decides (show the source, ask a human, or
      show the candidate marked as unchecked). Measured: with Gemma 3 270M 2 of 800 benchmark
-     answers are still suspect after the retry; with SmolLM2-135M ~10 % (docs/PROMPTS.md).
+     answers are still suspect after the retry; with SmolLM2-135M 57 of 800 (12-13 % of the
+     chat turns; docs/BENCHMARKS.md, "Third round").
    - `flag`: the candidate goes out as the translation, flagged (outcome `flagged`).
 
 Every suspect answer's reply says so in `GenerationResult.notes` (-> the reply's `metadata`):
@@ -65,6 +66,7 @@ from workers.engine_wrapper import EngineWrapper
 from workers.faithful import Check, LengthCaps, check
 
 __all__ = [
+    "CANDIDATE_KEY",
     "CHECKS",
     "GUARD_REASON",
     "NOTE_KEY",
@@ -233,7 +235,7 @@ class FaithfulEngine(EngineWrapper):
                 # retry form no history (workers/context_engine.py)
                 conversation_id=job.conversation_id,
             )
-        except Exception as exc:  # the engine is stopping: answer what we have, flagged
+        except Exception as exc:  # the engine is stopping: the policy on what we have
             self._flag(job, result, first, retry=f"not submitted: {type(exc).__name__}: {exc}")
             return
         job.inner.add_done_callback(lambda second: self._on_retry(job, result, first, second))
