@@ -188,9 +188,7 @@ class CachingEngine(EngineWrapper):
         """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""
         self._metrics = metrics
         metrics.cache_l2_up.set(0 if self.l2 is None or self.l2.degraded else 1)
-        bind_inner = getattr(self.inner, "bind_metrics", None)
-        if callable(bind_inner):
-            bind_inner(metrics)
+        super().bind_metrics(metrics)
 
     def submit_translation(
         self,

@@ -254,13 +254,11 @@ def worker(
         from workers.tm_engine import RetrievedExamplesEngine
 
         served = RetrievedExamplesEngine(engine, retriever)
-    retrieving = served if retriever is not None else None
-    checked = None
     if faithful_checks:  # issue #18 (workers/faithful_engine.py): next, its retry needs
         from workers.faithful_engine import faithful  # the engine's prompt forms
 
         max_new = max((p.max_new_tokens for p in policies.values()), default=256)
-        served = checked = faithful(served, policy=faithful_policy, default_max_new_tokens=max_new)
+        served = faithful(served, policy=faithful_policy, default_max_new_tokens=max_new)
     if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
         from workers.protected_engine import protect_spans as with_protected_spans
 
@@ -285,9 +283,6 @@ def worker(
             idle_s=settings.context_idle_s,
         )
     runner = Worker(settings, served)
-    for counting in (checked, retrieving):  # the worker binds only the outermost wrapper
-        if counting is not None:
-            counting.bind_metrics(runner.metrics)  # type: ignore[attr-defined]
     from confluent_kafka import KafkaException
 
     try:

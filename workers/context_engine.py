@@ -93,10 +93,11 @@ class ContextEngine(EngineWrapper):
         """Count in the worker's `tolk_context_turns_total` from now on, and pass the metrics
         on to the wrappers inside that count too."""
         self._metrics = metrics
-        for inner in {id(e): e for e in (self.inner, self.uncached)}.values():
-            bind = getattr(inner, "bind_metrics", None)
-            if callable(bind):
-                bind(metrics)
+        super().bind_metrics(metrics)  # the cached chain
+        if self.uncached is not self.inner:  # and the one contextual turns take
+            bind_uncached = getattr(self.uncached, "bind_metrics", None)
+            if callable(bind_uncached):
+                bind_uncached(metrics)
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1

@@ -1,9 +1,12 @@
 """`EngineWrapper`: the pass-through half of a `TranslationEngine` that wraps another.
 
 The worker's engine wrappers (`protected_engine`, `faithful_engine`, `cache_engine`,
-`drill_engine`) each change how a request is submitted and answered; everything else is the
-inner engine's. A subclass sets `self.inner` and implements `submit_translation`; it overrides
-`start` / `stop` only to add its own work around the inner engine's.
+`drill_engine`, `tm_engine`, `context_engine`) each change how a request is submitted and
+answered; everything else is the inner engine's. A subclass sets `self.inner` and implements
+`submit_translation`; it overrides `start` / `stop` only to add its own work around the inner
+engine's, and `bind_metrics` only to keep the worker's metrics for its own counters before
+passing them on (`super().bind_metrics`): the worker binds the outermost engine, and the
+binding reaches every wrapper of the chain.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class EngineWrapper:
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         self.inner.stop(drain=drain, timeout=timeout)
+
+    def bind_metrics(self, metrics: Any) -> None:
+        """Pass the worker's metrics on to the inner engine, if it counts anything."""
+        bind_inner = getattr(self.inner, "bind_metrics", None)
+        if callable(bind_inner):
+            bind_inner(metrics)
 
     def __getattr__(self, name: str) -> Any:
         # only for names the wrapper lacks; `inner` itself may not be set yet (copy, pickle)

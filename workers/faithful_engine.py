@@ -149,8 +149,7 @@ class FaithfulEngine(EngineWrapper):
         """Count in the worker's `tolk_faithful_*` counters from now on (and pass the metrics
         on to an inner wrapper that counts too)."""
         self._metrics = metrics
-        if hasattr(self.inner, "bind_metrics"):
-            self.inner.bind_metrics(metrics)
+        super().bind_metrics(metrics)
 
     def length_cap(self, text: str, source_lang: str, target_lang: str) -> int:
         """The length guard's cap of output tokens for this source."""

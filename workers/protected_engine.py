@@ -116,6 +116,7 @@ class ProtectedSpansEngine(EngineWrapper):
     def bind_metrics(self, metrics: _SpanMetrics) -> None:
         """Count outcomes in the worker's `tolk_protected_spans_total` from now on."""
         self._metrics = metrics
+        super().bind_metrics(metrics)
 
     def submit_translation(
         self,

@@ -211,6 +211,7 @@ class RetrievedExamplesEngine(EngineWrapper):
     def bind_metrics(self, metrics: Any) -> None:
         """Count in the worker's `tolk_tm_retrievals_total` / `tolk_tm_retrieval_seconds`."""
         self._metrics = metrics
+        super().bind_metrics(metrics)
 
     def submit_translation(
         self,
