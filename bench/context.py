@@ -7,7 +7,8 @@ first `--max-turns` turns, turns in the order spoken (customer de->en, agent en-
 1. **Quality.** Two passes over the same turns with one engine (greedy, the default prompt
    form, no wrappers, the same `--max-new-tokens`): `plain` (every turn alone) and `context`
    (`workers.context_engine.ContextEngine` over the engine, the `tolk worker --context` code
-   path, history budget `--budget`). A pass goes round by round: round r submits the r-th turn
+   path, history budget `--budget`, history layout `--layout`: one direction's turns or the
+   whole dialogue, `workers/context.py`). A pass goes round by round: round r submits the r-th turn
    of every dialogue at once and runs them to completion (a batch, as concurrent
    conversations are), so turn r+1 sees turn r's answer. Per direction: chrF of each pass
    (sacrebleu statistics), context minus plain with a paired bootstrap 95 % interval and the
@@ -54,7 +55,7 @@ from bench._common import machine_info, parse_csv, write_json
 from replay.datasets import Utterance, bcontrast
 from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap, verdict
-from workers.context import ConversationMemory
+from workers.context import DEFAULT_LAYOUT, LAYOUTS, ConversationMemory
 from workers.context_engine import ContextEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import (
@@ -172,7 +173,7 @@ def quality(
 
 
 def kept_warm(
-    engine: Engine, convs: list[list[Utterance]], budget: int, max_new: int
+    engine: Engine, convs: list[list[Utterance]], budget: int, max_new: int, layout: str
 ) -> dict[str, Any]:
     """Warm (the conversation's earlier prompt in the prefix cache) vs cold TTFT, batch 1.
 
@@ -181,12 +182,12 @@ def kept_warm(
     same prepared model (its own KV pools) whose cache holds only the turn's language prefix."""
     cold_engine = Engine(engine.prepared, engine.config)
     recorder = _RecordingEngine(engine)
-    ctx = ContextEngine(recorder, base=engine, memory=ConversationMemory(budget))
+    ctx = ContextEngine(recorder, base=engine, memory=ConversationMemory(budget, layout=layout))
     turns: list[dict[str, Any]] = []
     for conv in convs:
         for r, u in enumerate(conv):
             rid = f"warm-{u.conversation_id}-{u.turn}"
-            start_turns = len(ctx.memory.history(u.conversation_id))
+            start_turns = len(ctx.memory.history(u.conversation_id, u.source_lang, u.target_lang))
             h = ctx.submit_translation(
                 request_id=rid,
                 text=u.source,
@@ -315,6 +316,7 @@ def main() -> None:
     ap.add_argument("--max-turns", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--budget", type=int, default=256, help="history tokens (TOLK_CONTEXT_TOKENS)")
+    ap.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="history layout")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--ttft-dialogues", type=int, default=3)
     ap.add_argument("--ttft-max-turns", type=int, default=12)
@@ -347,7 +349,8 @@ def main() -> None:
             ctx = None
             engine.prompt_history = None
             if name == "context":
-                ctx = ContextEngine(engine, base=engine, memory=ConversationMemory(args.budget))
+                memory = ConversationMemory(args.budget, layout=args.layout)
+                ctx = ContextEngine(engine, base=engine, memory=memory)
             t0 = time.perf_counter()
             passes[name] = run_pass(engine, convs, args.max_new_tokens, ctx)
             seconds[name] = round(time.perf_counter() - t0, 1)
@@ -364,6 +367,7 @@ def main() -> None:
             [c[: args.ttft_max_turns] for c in convs[: args.ttft_dialogues]],
             args.budget,
             args.max_new_tokens,
+            args.layout,
         )
         out["kept_warm_seconds"] = round(time.perf_counter() - t0, 1)
         print(f"kept warm: {out['kept_warm_seconds']} s", file=sys.stderr, flush=True)

@@ -281,6 +281,7 @@ def worker(
             uncached=uncached,
             budget_tokens=settings.context_tokens,
             idle_s=settings.context_idle_s,
+            layout=settings.context_layout,
         )
     runner = Worker(settings, served)
     from confluent_kafka import KafkaException

@@ -4,8 +4,9 @@ no Kafka, no engine, no torch (issue #15, part 3; the wrapper is `workers/contex
 A contextual translation's prompt is
 
     language prefix (cached, shared by every request of the target language)
-    + history: the conversation's earlier turns in the order spoken, each its query and the
-      translation given, in the template's example layout ("English: ...\\nGerman: ...\\n\\n")
+    + history: the conversation's earlier turns (of the same direction, by default) in the
+      order spoken, each its query and the translation given, in the template's example
+      layout ("English: ...\\nGerman: ...\\n\\n")
     + the new turn's query
 
 Growing prefix
@@ -13,12 +14,24 @@ Growing prefix
 Each turn is rendered to token ids once, when it is recorded (`render_turn`), tokenized on its
 own (as `PromptBuilder` tokenizes prefix and query apart), so the ids of the history never
 change afterwards. A turn translated by the engine keeps the engine's own generated ids as its
-answer (`answer_ids`), followed by the rest of the example's turn end. So turn k+1's prompt
-begins with turn k's whole prompt *and* its generated answer, token for token, whenever both
-have the same target language (the prefix differs per target; in a bilingual chat the turns of
-one direction form one chain, the other direction's turns appear in it as text), and the
-engine's prefix cache (full blocks under chain hashes, partial blocks too) serves turn k's KV
-to turn k+1, which prefills only what is new.
+answer (`answer_ids`), followed by the rest of the example's turn end. So a turn's prompt
+begins with the previous turn of its chain's whole prompt *and* its generated answer, token for
+token (in the `direction` layout the chain is the turns of one direction; in the `dialogue`
+layout, whenever two turns have the same target language: the prefix differs per target, and
+the other direction's turns appear in the chain as text), and the engine's prefix cache (full
+blocks under chain hashes, partial blocks too) serves the earlier turn's KV to the later one,
+which prefills only what is new.
+
+History layout: the whole dialogue, or one direction
+----------------------------------------------------
+`layout="dialogue"` shows every earlier turn, both speakers, in the order spoken: the prompt
+reads as a conversation, and a small model continues it (it answers the customer instead of
+translating the turn: measured on BConTrasT, docs/BENCHMARKS.md "Conversation context").
+`layout="direction"` (the default) shows only the earlier turns of the new turn's own direction
+(source and target language), i.e. the same speaker's turns: the history reads as more
+translation examples of the same person's style, names and terms, with nothing to reply to.
+Each direction is a chain of its own (its own window and budget), and since all its turns
+share the target's prefix every turn's prompt extends the previous one of its chain.
 
 Token budget, with a low-water mark
 -----------------------------------
@@ -53,6 +66,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
+    "DEFAULT_LAYOUT",
+    "LAYOUTS",
     "ConversationMemory",
     "RecordedTurn",
     "TurnRenderer",
@@ -64,6 +79,8 @@ __all__ = [
 DEFAULT_BUDGET_TOKENS = 256
 DEFAULT_IDLE_S = 600.0
 DEFAULT_MAX_CONVERSATIONS = 10_000
+LAYOUTS = ("direction", "dialogue")  # module notes, "History layout"
+DEFAULT_LAYOUT = "direction"
 
 
 class TurnRenderer(Protocol):
@@ -145,20 +162,29 @@ class TurnStart:
     seq: int  # its place in the order spoken
     history_ids: list[int]  # the history its prompt shows, between prefix and query
     turns: int  # how many earlier turns that is
+    shown: tuple[RecordedTurn, ...] = ()  # those turns
+
+
+@dataclass(slots=True)
+class _Chain:
+    """The turns one prompt chain shows (the whole dialogue, or one direction of it)."""
+
+    turns: list[RecordedTurn] = field(default_factory=list)
+    start: int = 0  # the window: turns[start:] are the history
 
 
 @dataclass(slots=True)
 class _Conversation:
-    turns: list[RecordedTurn] = field(default_factory=list)
-    start: int = 0  # the window: turns[start:] are the history
+    chains: dict[str, _Chain] = field(default_factory=dict)
     next_seq: int = 0  # the seq the next received turn gets
     last_used: float = 0.0
 
 
 class ConversationMemory:
-    """Conversation id -> its recorded turns and history window; thread-safe (the poll thread
+    """Conversation id -> its recorded turns and history windows; thread-safe (the poll thread
     reads, the engine's done-callbacks record). Idle conversations expire after `idle_s`; at
-    most `max_conversations` are kept (the least recently used go first)."""
+    most `max_conversations` are kept (the least recently used go first). `layout`: which
+    earlier turns a turn's prompt shows (module notes, "History layout")."""
 
     def __init__(
         self,
@@ -167,8 +193,11 @@ class ConversationMemory:
         low_water_tokens: int | None = None,
         idle_s: float = DEFAULT_IDLE_S,
         max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+        layout: str = DEFAULT_LAYOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
         if budget_tokens < 0 or idle_s <= 0 or max_conversations < 1:
             raise ValueError(
                 f"budget_tokens={budget_tokens} (>= 0), idle_s={idle_s} (> 0), "
@@ -180,6 +209,7 @@ class ConversationMemory:
         )
         self.idle_s = idle_s
         self.max_conversations = max_conversations
+        self.layout = layout
         self._clock = clock
         self._lock = threading.Lock()
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
@@ -193,9 +223,14 @@ class ConversationMemory:
             return None
         return conv
 
-    def begin_turn(self, conversation_id: str) -> TurnStart:
-        """A new turn arrives: its place in the order spoken and the history its prompt shows
-        (none for an unknown or expired conversation)."""
+    def _chain_key(self, source_lang: str, target_lang: str) -> str:
+        return f"{source_lang}>{target_lang}" if self.layout == "direction" else ""
+
+    def begin_turn(
+        self, conversation_id: str, source_lang: str = "", target_lang: str = ""
+    ) -> TurnStart:
+        """A new turn (of that direction) arrives: its place in the order spoken and the
+        history its prompt shows (none for an unknown or expired conversation)."""
         now = self._clock()
         with self._lock:
             conv = self._live(conversation_id, now)
@@ -206,11 +241,14 @@ class ConversationMemory:
             self._conversations.move_to_end(conversation_id)
             seq = conv.next_seq
             conv.next_seq += 1
-            shown = conv.turns[conv.start :]
-            return TurnStart(seq, [t for turn in shown for t in turn.ids], len(shown))
+            chain = conv.chains.get(self._chain_key(source_lang, target_lang))
+            shown = chain.turns[chain.start :] if chain is not None else []
+            ids = [t for turn in shown for t in turn.ids]
+            return TurnStart(seq, ids, len(shown), tuple(shown))
 
     def record(self, conversation_id: str, turn: RecordedTurn) -> None:
-        """A turn's translation was given: append it in spoken order and move the window."""
+        """A turn's translation was given: append it to its chain in spoken order and move
+        that chain's window."""
         now = self._clock()
         with self._lock:
             conv = self._live(conversation_id, now)
@@ -220,22 +258,29 @@ class ConversationMemory:
                 self._make_room()
             conv.last_used = now
             self._conversations.move_to_end(conversation_id)
-            at = len(conv.turns)
-            while at > 0 and conv.turns[at - 1].seq > turn.seq:  # finished out of order
+            key = self._chain_key(turn.source_lang, turn.target_lang)
+            chain = conv.chains.setdefault(key, _Chain())
+            at = len(chain.turns)
+            while at > 0 and chain.turns[at - 1].seq > turn.seq:  # finished out of order
                 at -= 1
-            conv.turns.insert(at, turn)
-            lengths = [len(t.ids) for t in conv.turns]
-            conv.start = advance_window(
-                lengths, min(conv.start, at), self.budget_tokens, self.low_water_tokens
+            chain.turns.insert(at, turn)
+            lengths = [len(t.ids) for t in chain.turns]
+            chain.start = advance_window(
+                lengths, min(chain.start, at), self.budget_tokens, self.low_water_tokens
             )
-            del conv.turns[: conv.start]  # older turns are never shown again
-            conv.start = 0
+            del chain.turns[: chain.start]  # older turns are never shown again
+            chain.start = 0
 
-    def history(self, conversation_id: str) -> list[RecordedTurn]:
-        """The turns the next prompt of the conversation shows (a copy)."""
+    def history(
+        self, conversation_id: str, source_lang: str = "", target_lang: str = ""
+    ) -> list[RecordedTurn]:
+        """The turns the conversation's next prompt of that direction shows (a copy)."""
         with self._lock:
             conv = self._live(conversation_id, self._clock())
-            return [] if conv is None else list(conv.turns[conv.start :])
+            chain = (
+                None if conv is None else conv.chains.get(self._chain_key(source_lang, target_lang))
+            )
+            return [] if chain is None else list(chain.turns[chain.start :])
 
     def _make_room(self) -> None:
         now = self._clock()

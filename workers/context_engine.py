@@ -18,7 +18,14 @@ the request's `conversation_id` (which the worker passes to every engine: the pr
    request id until the base engine builds the prompt: the engine's `prompt_history` hook
    (installed here) puts them between the language prefix and the query. A prompt in another
    prompt form (the faithfulness retry, under its own request id) gets no history.
-3. When the turn's translation is given (the handle resolves OK), it is recorded as history:
+3. A contextual answer that copies one of the history's turns (a translation given earlier,
+   or the other speaker's words: `workers.faithful.leaked_example` with the history turns as
+   the examples) while the turn is not that turn's source is the model continuing the
+   conversation instead of translating: the turn runs once more without history (through
+   `inner`, request id + `~nohistory`), and that answer is the reply (note
+   `tolk.context.retry`, count `history_leak`). The check runs on what the wrappers inside
+   gave, after their own checks and retries.
+4. When the turn's translation is given (the handle resolves OK), it is recorded as history:
    its query, and the engine's own generated ids when they are the answer given (else the
    answer's text, e.g. a cache hit, or spans restored by the protection wrapper), so the next
    turn of the same target language extends this prompt and hits its KV blocks in the prefix
@@ -31,7 +38,7 @@ of the conversation's prompt stay in the engine's prefix cache as long as its LR
 needed), which `bench/context.py` measures; blocks are not pinned.
 
 Counts (`counts`): `contextual` (history in the prompt), `no_history`, `no_conversation`,
-`recorded`.
+`history_leak`, `recorded`.
 """
 
 from __future__ import annotations
@@ -44,16 +51,26 @@ from typing import Any, Protocol
 from workers.context import (
     DEFAULT_BUDGET_TOKENS,
     DEFAULT_IDLE_S,
+    DEFAULT_LAYOUT,
     ConversationMemory,
     RecordedTurn,
     render_turn,
 )
 from workers.engine.types import GenerationResult, RequestHandle, TranslationEngine
-from workers.engine_wrapper import EngineWrapper
+from workers.engine_wrapper import EngineWrapper, merged_runs
+from workers.faithful import leaked_example
 
-__all__ = ["CONTEXT_NOTE", "ContextEngine", "with_conversation_context"]
+__all__ = [
+    "CONTEXT_NOTE",
+    "NO_HISTORY_SUFFIX",
+    "RETRY_NOTE",
+    "ContextEngine",
+    "with_conversation_context",
+]
 
 CONTEXT_NOTE = "tolk.context"  # reply metadata: "turns=N" history turns in the prompt
+RETRY_NOTE = "tolk.context.retry"  # reply metadata: why the turn ran again without history
+NO_HISTORY_SUFFIX = "~nohistory"  # inner request id of that run
 
 
 class PromptEngine(Protocol):
@@ -126,7 +143,7 @@ class ContextEngine(EngineWrapper):
                 deadline=deadline,
                 max_new_tokens=max_new_tokens,
             )
-        start = self.memory.begin_turn(conversation_id)
+        start = self.memory.begin_turn(conversation_id, source_lang, target_lang)
         target = self.inner
         # the id goes inward too: harmless, every wrapper inside passes it on or ignores it
         # (the cache does not key on it), and the engine ignores it (history comes by the hook)
@@ -151,18 +168,57 @@ class ContextEngine(EngineWrapper):
         seq, turns = start.seq, start.turns
         # The caller's handle resolves only once the turn is recorded: a future's waiters may
         # run before its callbacks, and the conversation's next turn must see this one.
-        outer = RequestHandle(request_id, lambda _rid: handle.cancel())
+        running = [handle]  # the run the caller's cancel reaches (the retry, once it runs)
+        outer = RequestHandle(request_id, lambda _rid: running[-1].cancel())
 
-        def on_done(result: GenerationResult) -> None:  # engine thread (or now, for a hit)
+        def finish(result: GenerationResult, retry_note: str | None = None) -> None:
             try:
                 self._record(conversation_id, seq, text, source_lang, target_lang, result)
                 if turns and isinstance(result.notes, dict):
                     result.notes.setdefault(CONTEXT_NOTE, f"turns={turns}")
+                    if retry_note:
+                        result.notes[RETRY_NOTE] = retry_note
             finally:
                 outer.set_result(result)
 
+        def on_done(result: GenerationResult) -> None:  # engine thread (or now, for a hit)
+            copied = self._copied_turn(text, target_lang, result, start.shown)
+            if copied is None:
+                finish(result)
+                return
+            self._count("history_leak")
+            why = f"history_leak: copied turn {copied} of {turns}; retried without history"
+            try:
+                again = self.inner.submit_translation(
+                    request_id=request_id + NO_HISTORY_SUFFIX,  # no pending ids: no history
+                    text=text,
+                    source_lang=source_lang,
+                    target_lang=target_lang,
+                    deadline=deadline,
+                    max_new_tokens=max_new_tokens,
+                    conversation_id=conversation_id,
+                )
+            except Exception as exc:  # the engine is stopping: the answer we have
+                finish(result, f"{why} failed: {type(exc).__name__}: {exc}")
+                return
+            running.append(again)
+            again.add_done_callback(
+                lambda second: finish(merged_runs(result, second, request_id), why)
+            )
+
         handle.add_done_callback(on_done)
         return outer
+
+    @staticmethod
+    def _copied_turn(
+        text: str, target_lang: str, result: GenerationResult, shown: Sequence[RecordedTurn]
+    ) -> int | None:
+        """1-based index of the history turn the answer copies (module notes, 3), or None."""
+        if not shown or not result.ok or not result.text:
+            return None
+        turns = [{t.source_lang: t.source_text, t.target_lang: t.translation} for t in shown]
+        at = leaked_example(text, result.text, turns, target_lang)
+        return None if at is None else at + 1
 
     def history_for(self, request_id: str, prompt_form: str | None) -> Sequence[int] | None:
         """The base engine's `prompt_history` hook: the history ids of a contextual request
@@ -209,7 +265,8 @@ def with_conversation_context(
     uncached: TranslationEngine | None = None,
     budget_tokens: int = DEFAULT_BUDGET_TOKENS,
     idle_s: float = DEFAULT_IDLE_S,
+    layout: str = DEFAULT_LAYOUT,
 ) -> ContextEngine:
     """`served` with conversation context (what `tolk worker --context` builds)."""
-    memory = ConversationMemory(budget_tokens, idle_s=idle_s)
+    memory = ConversationMemory(budget_tokens, idle_s=idle_s, layout=layout)
     return ContextEngine(served, base=base, memory=memory, uncached=uncached)

@@ -6,16 +6,39 @@ answered; everything else is the inner engine's. A subclass sets `self.inner` an
 `submit_translation`; it overrides `start` / `stop` only to add its own work around the inner
 engine's, and `bind_metrics` only to keep the worker's metrics for its own counters before
 passing them on (`super().bind_metrics`): the worker binds the outermost engine, and the
-binding reaches every wrapper of the chain.
+binding reaches every wrapper of the chain. A wrapper that runs a request twice (a retry)
+answers with `merged_runs`: the second run's answer carrying the work of both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from workers.engine.types import TranslationEngine
+from workers.engine.types import GenerationResult, Timings, TranslationEngine
 
-__all__ = ["EngineWrapper"]
+__all__ = ["EngineWrapper", "merged_runs"]
+
+
+def merged_runs(
+    first: GenerationResult, second: GenerationResult, request_id: str
+) -> GenerationResult:
+    """`second` under `request_id`, carrying the work of both runs (tokens and times summed;
+    the queue time is the first run's)."""
+    t1, t2 = first.timings, second.timings
+    return dataclasses.replace(
+        second,
+        request_id=request_id,
+        tokens_in=first.tokens_in + second.tokens_in,
+        tokens_out=first.tokens_out + second.tokens_out,
+        cached_tokens=first.cached_tokens + second.cached_tokens,
+        timings=Timings(
+            queue_s=t1.queue_s,
+            prefill_s=t1.prefill_s + t2.prefill_s,
+            decode_s=t1.decode_s + t2.decode_s,
+            total_s=t1.total_s + t2.total_s,
+        ),
+    )
 
 
 class EngineWrapper:

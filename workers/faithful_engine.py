@@ -59,10 +59,9 @@ from workers.engine.types import (
     FinishReason,
     GenerationResult,
     RequestHandle,
-    Timings,
     TranslationEngine,
 )
-from workers.engine_wrapper import EngineWrapper
+from workers.engine_wrapper import EngineWrapper, merged_runs
 from workers.faithful import Check, LengthCaps, check
 
 __all__ = [
@@ -247,14 +246,14 @@ class FaithfulEngine(EngineWrapper):
         self, job: _Job, result: GenerationResult, first: Check, second: GenerationResult
     ) -> None:
         if second.finish_reason is FinishReason.CANCELLED:
-            self._resolve(job, _merged(result, second, job.request_id))
+            self._resolve(job, merged_runs(result, second, job.request_id))
             return
         if not second.ok:
             why = f"finished {second.finish_reason.value}: {second.error}"
             self._flag(job, result, first, retry=why)
             return
         checked = self._check(job, second)
-        merged = _merged(result, second, job.request_id)
+        merged = merged_runs(result, second, job.request_id)
         if not checked.suspect:
             notes = {NOTE_KEY: "retried", f"{NOTE_KEY}.first": ",".join(first.problems)}
             self._answer(job, "retried", dataclasses.replace(merged, notes=notes))
@@ -336,25 +335,6 @@ def _retry_form_of(engine: Any) -> str | None:
         if isinstance(form, str):
             return form
     return None
-
-
-def _merged(first: GenerationResult, second: GenerationResult, request_id: str) -> GenerationResult:
-    """`second` carrying the work of both runs (tokens and times summed), as
-    workers.protected_engine does for its retry."""
-    t1, t2 = first.timings, second.timings
-    return dataclasses.replace(
-        second,
-        request_id=request_id,
-        tokens_in=first.tokens_in + second.tokens_in,
-        tokens_out=first.tokens_out + second.tokens_out,
-        cached_tokens=first.cached_tokens + second.cached_tokens,
-        timings=Timings(
-            queue_s=t1.queue_s,
-            prefill_s=t1.prefill_s + t2.prefill_s,
-            decode_s=t1.decode_s + t2.decode_s,
-            total_s=t1.total_s + t2.total_s,
-        ),
-    )
 
 
 def faithful(engine: TranslationEngine, **kwargs: Any) -> FaithfulEngine:

@@ -44,10 +44,9 @@ from workers.engine.types import (
     FinishReason,
     GenerationResult,
     RequestHandle,
-    Timings,
     TranslationEngine,
 )
-from workers.engine_wrapper import EngineWrapper
+from workers.engine_wrapper import EngineWrapper, merged_runs
 from workers.protected_spans import (
     MaskConflict,
     Masked,
@@ -225,7 +224,7 @@ class ProtectedSpansEngine(EngineWrapper):
         result: GenerationResult,
     ) -> None:
         if result.finish_reason is FinishReason.CANCELLED:
-            self._resolve(job, _merged(masked_result, result, job.request_id))
+            self._resolve(job, merged_runs(masked_result, result, job.request_id))
             return
         if not result.ok:
             why = f"unmasked retry finished {result.finish_reason.value}: {result.error}"
@@ -234,7 +233,7 @@ class ProtectedSpansEngine(EngineWrapper):
         found, total = preservation(job.text, result.text)
         outcome = "retried_unmasked" if found == total else "flagged"
         notes = self._notes(job, outcome, restore_error=exc.summary(), preserved=f"{found}/{total}")
-        merged = _merged(masked_result, result, job.request_id)
+        merged = merged_runs(masked_result, result, job.request_id)
         self._answer(job, outcome, dataclasses.replace(merged, notes=notes))
 
     def _flag_masked(
@@ -294,24 +293,6 @@ class ProtectedSpansEngine(EngineWrapper):
             inner = job.inner
         if inner is not None:
             inner.cancel()
-
-
-def _merged(first: GenerationResult, second: GenerationResult, request_id: str) -> GenerationResult:
-    """`second` carrying the work of both runs (tokens and times summed)."""
-    t1, t2 = first.timings, second.timings
-    return dataclasses.replace(
-        second,
-        request_id=request_id,
-        tokens_in=first.tokens_in + second.tokens_in,
-        tokens_out=first.tokens_out + second.tokens_out,
-        cached_tokens=first.cached_tokens + second.cached_tokens,
-        timings=Timings(
-            queue_s=t1.queue_s,
-            prefill_s=t1.prefill_s + t2.prefill_s,
-            decode_s=t1.decode_s + t2.decode_s,
-            total_s=t1.total_s + t2.total_s,
-        ),
-    )
 
 
 def _cancelled(result: GenerationResult, request_id: str) -> GenerationResult:

@@ -53,6 +53,7 @@ from types import MappingProxyType
 from typing import Any
 
 from workers.arms import validate_arm_name
+from workers.context import DEFAULT_LAYOUT, LAYOUTS
 from workers.fairness.policy import (
     DEFAULT_BURST_TOKENS,
     DEFAULT_POLICIES,
@@ -124,6 +125,7 @@ class Settings:
     cache_ttl: TtlTiers = field(default_factory=lambda: parse_ttl_tiers(""))  # L2 TTL per lang
     context_tokens: int = 256  # `--context`: history token budget per prompt (workers/context.py)
     context_idle_s: float = 600.0  # `--context`: a conversation's history kept this long idle
+    context_layout: str = DEFAULT_LAYOUT  # `--context`: the turns shown (workers/context.py)
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -153,6 +155,9 @@ class Settings:
         if self.context_tokens < 0 or not self.context_idle_s > 0:
             bad = f"context_tokens={self.context_tokens!r}, context_idle_s={self.context_idle_s!r}"
             raise ValueError(f"need context_tokens >= 0 and context_idle_s > 0: {bad}")
+        if self.context_layout not in LAYOUTS:
+            choices = ", ".join(LAYOUTS)
+            raise ValueError(f"context_layout must be one of {choices}: {self.context_layout!r}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
         if not 0 <= self.health_port <= 65535:
@@ -234,6 +239,7 @@ class Settings:
             "TOPIC_PREFIX": "topic_prefix",
             "GROUP_PROTOCOL": "group_protocol",
             "TRACING": "tracing",
+            "CONTEXT_LAYOUT": "context_layout",
             "SECURITY_PROTOCOL": "security_protocol",
             "SASL_MECHANISM": "sasl_mechanism",
             "SASL_USERNAME": "sasl_username",

@@ -16,7 +16,7 @@ import pytest
 from tests.workers.fakes import FakeEngine, fake_translation
 from workers.cache_engine import CachingEngine
 from workers.context import ConversationMemory, RecordedTurn, advance_window, render_turn
-from workers.context_engine import CONTEXT_NOTE, ContextEngine
+from workers.context_engine import CONTEXT_NOTE, NO_HISTORY_SUFFIX, RETRY_NOTE, ContextEngine
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle
 from workers.tm.redis_cache import InMemoryTranslationCache
@@ -44,19 +44,23 @@ def test_a_turn_longer_than_the_budget_never_enters_the_history() -> None:
 # -- the memory -----------------------------------------------------------------------------
 
 
-def _turn(seq: int, n: int, text: str = "") -> RecordedTurn:
-    return RecordedTurn(seq, "de", "en", text or f"t{seq}", f"a{seq}", tuple([seq] * n))
+DE_EN = ("de", "en")
+EN_DE = ("en", "de")
+
+
+def _turn(seq: int, n: int, text: str = "", direction: tuple[str, str] = DE_EN) -> RecordedTurn:
+    return RecordedTurn(seq, *direction, text or f"t{seq}", f"a{seq}", tuple([seq] * n))
 
 
 def test_history_is_in_the_order_spoken_even_when_turns_finish_out_of_order() -> None:
     memory = ConversationMemory(1000)
-    seqs = [memory.begin_turn("c").seq for _ in range(3)]
+    seqs = [memory.begin_turn("c", *DE_EN).seq for _ in range(3)]
     assert seqs == [0, 1, 2]
     memory.record("c", _turn(2, 1))
     memory.record("c", _turn(0, 1))
     memory.record("c", _turn(1, 1))
-    assert [t.seq for t in memory.history("c")] == [0, 1, 2]
-    start = memory.begin_turn("c")
+    assert [t.seq for t in memory.history("c", *DE_EN)] == [0, 1, 2]
+    start = memory.begin_turn("c", *DE_EN)
     assert start.seq == 3 and start.turns == 3 and start.history_ids == [0, 1, 2]
 
 
@@ -64,7 +68,7 @@ def test_history_budget_cuts_to_low_water_then_grows_again_as_a_prefix() -> None
     memory = ConversationMemory(100, low_water_tokens=50)
     shown: list[list[int]] = []
     for _ in range(6):
-        start = memory.begin_turn("c")
+        start = memory.begin_turn("c", *DE_EN)
         shown.append(start.history_ids)
         memory.record("c", _turn(start.seq, 30))
     lengths = [len(ids) for ids in shown]
@@ -79,12 +83,12 @@ def test_history_budget_cuts_to_low_water_then_grows_again_as_a_prefix() -> None
 def test_unknown_and_idle_conversations_have_no_history() -> None:
     now = [0.0]
     memory = ConversationMemory(100, idle_s=60, clock=lambda: now[0])
-    assert memory.begin_turn("new").history_ids == []
+    assert memory.begin_turn("new", *DE_EN).history_ids == []
     memory.record("c", _turn(0, 5))
     now[0] = 59.0
-    assert memory.begin_turn("c").turns == 1  # touched at 59
+    assert memory.begin_turn("c", *DE_EN).turns == 1  # touched at 59
     now[0] = 59.0 + 61.0
-    start = memory.begin_turn("c")
+    start = memory.begin_turn("c", *DE_EN)
     assert start.turns == 0 and start.history_ids == [] and memory.expired >= 1
 
 
@@ -92,10 +96,61 @@ def test_at_most_max_conversations_least_recently_used_dropped_first() -> None:
     memory = ConversationMemory(100, max_conversations=2)
     for cid in ("a", "b"):
         memory.record(cid, _turn(0, 3))
-    memory.begin_turn("a")  # a is now the most recent
+    memory.begin_turn("a", *DE_EN)  # a is now the most recent
     memory.record("c", _turn(0, 3))
-    assert memory.history("b") == []
-    assert len(memory.history("a")) == 1 and len(memory.history("c")) == 1
+    assert memory.history("b", *DE_EN) == []
+    assert len(memory.history("a", *DE_EN)) == 1 and len(memory.history("c", *DE_EN)) == 1
+
+
+def _bilingual_chat(memory: ConversationMemory) -> list[list[int]]:
+    """Six turns alternating customer (de->en) and agent (en->de); each turn's history ids."""
+    shown = []
+    for k in range(6):
+        direction = DE_EN if k % 2 == 0 else EN_DE
+        start = memory.begin_turn("c", *direction)
+        shown.append(start.history_ids)
+        memory.record("c", _turn(start.seq, 2, direction=direction))
+    return shown
+
+
+def test_direction_layout_shows_only_the_same_speakers_earlier_turns() -> None:
+    memory = ConversationMemory(1000)  # the default layout
+    assert memory.layout == "direction"
+    shown = _bilingual_chat(memory)
+    # customer turns 0, 2, 4 see the customer's earlier turns; agent turns 1, 3, 5 the agent's
+    assert shown == [[], [], [0, 0], [1, 1], [0, 0, 2, 2], [1, 1, 3, 3]]
+    assert [t.seq for t in memory.history("c", *EN_DE)] == [1, 3, 5]
+    # each direction's prompts extend the previous one of that direction (the growing prefix)
+    assert shown[4][: len(shown[2])] == shown[2] and shown[5][: len(shown[3])] == shown[3]
+
+
+def test_dialogue_layout_shows_both_speakers_in_the_order_spoken() -> None:
+    shown = _bilingual_chat(ConversationMemory(1000, layout="dialogue"))
+    assert shown[5] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert shown[3] == [0, 0, 1, 1, 2, 2]
+
+
+def test_each_direction_keeps_its_own_budget_window() -> None:
+    memory = ConversationMemory(100, low_water_tokens=50)
+    for _ in range(4):  # four customer turns of 30: the fourth cuts the customer chain
+        memory.record("c", _turn(memory.begin_turn("c", *DE_EN).seq, 30))
+    memory.record("c", _turn(memory.begin_turn("c", *EN_DE).seq, 30, direction=EN_DE))
+    assert [t.seq for t in memory.history("c", *DE_EN)] == [3]
+    assert [t.seq for t in memory.history("c", *EN_DE)] == [4]
+
+
+def test_unknown_layout_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="direction, dialogue"):
+        ConversationMemory(100, layout="glossary")
+
+
+def test_layout_setting_is_read_once_from_the_environment() -> None:
+    from workers.settings import Settings
+
+    assert Settings.from_env({}).context_layout == "direction"
+    assert Settings.from_env({"TOLK_CONTEXT_LAYOUT": "dialogue"}).context_layout == "dialogue"
+    with pytest.raises(ValueError, match="context_layout must be one of direction, dialogue"):
+        Settings.from_env({"TOLK_CONTEXT_LAYOUT": "both"})
 
 
 # -- prompts on the real tokenizer ------------------------------------------------------------
@@ -156,9 +211,12 @@ DIALOGUE = [  # (source, source lang, target lang, answer): customer de->en, age
 ]
 
 
-def _converse(prompts: PromptBuilder, budget: int = 1000) -> tuple[PromptEngine, list[str]]:
+def _converse(
+    prompts: PromptBuilder, budget: int = 1000, layout: str = "direction"
+) -> tuple[PromptEngine, list[str]]:
     base = PromptEngine(prompts, {src: answer for src, _, _, answer in DIALOGUE})
-    ctx = ContextEngine(base, base=base, memory=ConversationMemory(budget))  # type: ignore[arg-type]
+    memory = ConversationMemory(budget, layout=layout)
+    ctx = ContextEngine(base, base=base, memory=memory)  # type: ignore[arg-type]
     rids = []
     for k, (src, s, t, _) in enumerate(DIALOGUE):
         rid = f"r{k}"
@@ -173,20 +231,84 @@ def _starts_with(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     return list(ids[: len(prefix)]) == list(prefix)
 
 
+@pytest.mark.parametrize("layout", ["direction", "dialogue"])
 def test_next_turn_of_a_target_starts_with_the_previous_prompt_and_its_generated_answer(
-    gemma_prompts: PromptBuilder,
+    gemma_prompts: PromptBuilder, layout: str
 ) -> None:
-    base, rids = _converse(gemma_prompts)
+    base, rids = _converse(gemma_prompts, layout=layout)
     # turns 0, 2, 4 are de->en (prefix of English), 1, 3 en->de: each chain grows
     for earlier, later in ((0, 2), (2, 4), (1, 3)):
         before = base.built[rids[earlier]] + base.generated[rids[earlier]]
         assert _starts_with(base.built[rids[later]], before), (earlier, later)
-    # the history is in the order spoken: turn 1 (agent) sits between turns 0 and 2
     text = gemma_prompts.tokenizer.decode(base.built[rids[4]])
-    order = [text.index(src) for src, *_ in DIALOGUE]
-    assert order == sorted(order)
-    assert "German: Welche Art von Essen mögen Sie?\n\n" in text
     assert text.endswith("German: Ist das erste vegetarisch?\nEnglish:")
+    assert "German: Etwas Günstiges, bitte.\nEnglish: Something cheap, please.\n\n" in text
+    agent_turn = "English: What kind of food do you like?\nGerman: Welche Art von Essen mögen Sie?"
+    if layout == "dialogue":  # both speakers in the order spoken: turn 1 between turns 0 and 2
+        order = [text.index(src) for src, *_ in DIALOGUE]
+        assert order == sorted(order)
+        assert agent_turn + "\n\n" in text
+    else:  # the customer's own earlier turns only: nothing the agent said to answer
+        assert text.index(DIALOGUE[0][0]) < text.index(DIALOGUE[2][0])
+        assert all(src not in text for src, *_ in DIALOGUE[1::2])
+
+
+class ContinuingEngine(PromptEngine):
+    """Answers a turn that has history with the history's first translation (a small model
+    continuing the conversation), and a turn without history with its real answer."""
+
+    def submit_translation(self, **kw: Any) -> RequestHandle:
+        rid = kw["request_id"]
+        history = self.prompt_history(rid, None) if self.prompt_history else None
+        if history:
+            self.answers = {**self.answers, kw["text"]: DIALOGUE[0][3]}  # turn 0's translation
+        else:
+            self.answers = {src: answer for src, _, _, answer in DIALOGUE}
+        return super().submit_translation(**kw)
+
+
+def test_an_answer_copying_a_history_turn_runs_again_without_history(
+    gemma_prompts: PromptBuilder,
+) -> None:
+    base = ContinuingEngine(gemma_prompts, {})
+    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+    results = []
+    for k, (src, s, t, _) in enumerate(DIALOGUE[:3]):  # de->en, en->de, de->en
+        handle = ctx.submit_translation(
+            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+        )
+        results.append(handle.result(0))
+    # turn 2 (de->en) has turn 0 in its history and first answered with turn 0's translation
+    assert "r2" in base.built and "r2" + NO_HISTORY_SUFFIX in base.built
+    assert results[2].text == DIALOGUE[2][3] and results[2].request_id == "r2"
+    assert results[2].notes[RETRY_NOTE].startswith("history_leak: copied turn 1 of 1")
+    assert results[2].notes[CONTEXT_NOTE] == "turns=1"
+    plain, _ = gemma_prompts.build(DIALOGUE[2][0], "de", "en")
+    assert base.built["r2" + NO_HISTORY_SUFFIX] == plain  # the second run has no history
+    # the reply carries the work of both runs
+    assert results[2].tokens_in == len(base.built["r2"]) + len(plain)
+    assert ctx.counts["history_leak"] == 1
+    # turn 1 (en->de) had no history of its direction: answered once, as it came
+    assert "r1" + NO_HISTORY_SUFFIX not in base.built and RETRY_NOTE not in results[1].notes
+    # what is recorded is the answer given, so the next turn's history is clean
+    assert [t.translation for t in ctx.memory.history("c", "de", "en")] == [
+        DIALOGUE[0][3],
+        DIALOGUE[2][3],
+    ]
+
+
+def test_a_turn_that_is_the_history_turn_again_is_not_a_leak(
+    gemma_prompts: PromptBuilder,
+) -> None:
+    base = ContinuingEngine(gemma_prompts, {})
+    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+    src, s, t, answer = DIALOGUE[0]
+    for k in range(2):  # the customer says the same sentence twice: the same answer is right
+        result = ctx.submit_translation(
+            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+        ).result(0)
+        assert result.text == answer and RETRY_NOTE not in result.notes
+    assert ctx.counts["history_leak"] == 0 and len(base.built) == 2
 
 
 def test_history_tokens_are_the_separately_tokenized_pieces(gemma_prompts: PromptBuilder) -> None:
