@@ -282,12 +282,15 @@ def combine(paths: list[str], out_path: str | None) -> None:
         for name, convs_runs in data["runs"].items():
             runs[name] = [[TurnRun(**t) for t in c] for c in convs_runs]
         seconds.update(data.get("seconds", {}))
+        if "context_counts" in data:
+            first = {**first, "context_counts": data["context_counts"]}
     a = first["args"]
     convs = dialogues(a["dialogues"], a["max_turns"], a["seed"])
     out = {
         **{k: v for k, v in first.items() if k not in ("runs", "seconds")},
         "combined_from": paths,
         "machines": [json.loads(Path(p).read_text())["machine"] for p in paths],
+        "commits": [json.loads(Path(p).read_text())["commit"] for p in paths],
         "seconds": seconds,
         **compare(convs, runs["plain"], runs["context"]),
     }
@@ -355,6 +358,8 @@ def main() -> None:
             passes[name] = run_pass(engine, convs, args.max_new_tokens, ctx)
             seconds[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {seconds[name]} s", file=sys.stderr, flush=True)
+            if ctx is not None:  # contextual, no_history, history_leak (retried), recorded
+                out["context_counts"] = dict(ctx.counts)
         out["seconds"] = seconds
         out["runs"] = {n: [[asdict(t) for t in c] for c in runs] for n, runs in passes.items()}
         if {"plain", "context"} <= set(passes):
