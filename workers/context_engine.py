@@ -152,9 +152,10 @@ class ContextEngine(EngineWrapper):
                 self._pending[request_id] = start.history_ids
             target = self.uncached
         self._count("contextual" if start.turns else "no_history")
-        try:
-            handle = target.submit_translation(
-                request_id=request_id,
+
+        def submit(engine: TranslationEngine, rid: str) -> RequestHandle:
+            return engine.submit_translation(
+                request_id=rid,
                 text=text,
                 source_lang=source_lang,
                 target_lang=target_lang,
@@ -162,6 +163,9 @@ class ContextEngine(EngineWrapper):
                 max_new_tokens=max_new_tokens,
                 conversation_id=conversation_id,
             )
+
+        try:
+            handle = submit(target, request_id)
         finally:
             with self._lock:  # the prompt is built inside submit: the ids are used or never
                 self._pending.pop(request_id, None)
@@ -188,16 +192,8 @@ class ContextEngine(EngineWrapper):
                 return
             self._count("history_leak")
             why = f"history_leak: copied turn {copied} of {turns}; retried without history"
-            try:
-                again = self.inner.submit_translation(
-                    request_id=request_id + NO_HISTORY_SUFFIX,  # no pending ids: no history
-                    text=text,
-                    source_lang=source_lang,
-                    target_lang=target_lang,
-                    deadline=deadline,
-                    max_new_tokens=max_new_tokens,
-                    conversation_id=conversation_id,
-                )
+            try:  # under another request id, which has no pending history ids
+                again = submit(self.inner, request_id + NO_HISTORY_SUFFIX)
             except Exception as exc:  # the engine is stopping: the answer we have
                 finish(result, f"{why} failed: {type(exc).__name__}: {exc}")
                 return
