@@ -19,7 +19,7 @@ poll thread):
    `tolk.cache` = `miss` (the one whose id ran) or `joined` (tokens counted once: a joined
    answer reports none). A result that `workers.tm.cache_policy.is_cacheable` accepts (OK by a
    stop rule, not flagged or retried by a wrapper) goes into L1 at once and into L2 through a
-   writer thread (the engine's thread never waits on Redis).
+   writer thread (`workers.tm.write_behind`: the engine's thread never waits on Redis).
 4. A run that ended EXPIRED, REJECTED or CANCELLED does not speak for the joined requests (a
    later deadline, another cancel): those still live start a new flight among themselves. A
    failed run (ERROR) is passed to every participant: the worker's retry rules apply to each,
@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -60,14 +59,13 @@ from workers.tm.cache_key import CacheKey, cache_key
 from workers.tm.cache_policy import CACHE_NOTE, is_cacheable
 from workers.tm.lru_k import LanguageLRUK
 from workers.tm.redis_cache import CacheBreaker, CacheUnavailable, TranslationStore
+from workers.tm.write_behind import WriteBehind
 
 __all__ = ["CachingEngine", "engine_fingerprint", "engine_prompt_form", "with_translation_cache"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TEXT_CHARS = 2000  # longer texts are rarely repeated; not worth the memory
-_WRITE_QUEUE = 10_000  # L2 writes waiting for the writer thread; beyond: dropped (counted)
-_STOP = object()
 
 
 class _CacheMetrics(Protocol):
@@ -171,18 +169,13 @@ class CachingEngine(EngineWrapper):
         self._flights: dict[CacheKey, _Flight] = {}
         self._by_request: dict[str, _Flight] = {}  # request id -> the flight it waits on
         self.counts: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
-        self._writes: queue.Queue[Any] = queue.Queue(_WRITE_QUEUE)
-        self._writer: threading.Thread | None = None
+        self._l2_writes = WriteBehind(self._put_l2, on_dropped=lambda: self._l2_degraded("put"))
 
     # -- TranslationEngine -------------------------------------------------------------------
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         self.inner.stop(drain=drain, timeout=timeout)
-        with self._lock:
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            self._writes.put(_STOP)
-            writer.join(timeout=2.0)
+        self._l2_writes.stop()
 
     def bind_metrics(self, metrics: _CacheMetrics) -> None:
         """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""
@@ -392,38 +385,17 @@ class CachingEngine(EngineWrapper):
     # -- L2 writes ----------------------------------------------------------------------------
 
     def _write_l2(self, key: CacheKey, text: str) -> None:
-        if self.l2 is None:
-            return
-        with self._lock:
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="tolk-cache-writer", daemon=True
-                )
-                self._writer.start()
-        try:
-            self._writes.put_nowait((key, text))
-        except queue.Full:
-            self._l2_degraded("put")
+        if self.l2 is not None:
+            self._l2_writes.write(key, text)
 
-    def _write_loop(self) -> None:
+    def _put_l2(self, key: CacheKey, text: str) -> None:  # the writer thread
         assert self.l2 is not None
-        while True:
-            item = self._writes.get()
-            try:
-                if item is _STOP:
-                    return
-                key, text = item
-                with contextlib.suppress(CacheUnavailable):  # counted by the breaker; L1 has it
-                    self.l2.put(key, text)
-            finally:
-                self._writes.task_done()
+        with contextlib.suppress(CacheUnavailable):  # counted by the breaker; L1 has it
+            self.l2.put(key, text)
 
     def flush_l2_writes(self, timeout: float = 5.0) -> bool:
         """Wait until the writer thread has sent every queued L2 write (tests, benchmarks)."""
-        end = time.monotonic() + timeout
-        while self._writes.unfinished_tasks and time.monotonic() < end:
-            time.sleep(0.005)
-        return not self._writes.unfinished_tasks
+        return self._l2_writes.flush(timeout)
 
     # -- counts -------------------------------------------------------------------------------
 
