@@ -8,7 +8,9 @@ first `--max-turns` turns, turns in the order spoken (customer de->en, agent en-
    form, no wrappers, the same `--max-new-tokens`): `plain` (every turn alone) and `context`
    (`workers.context_engine.ContextEngine` over the engine, the `tolk worker --context` code
    path, history budget `--budget`, history layout `--layout`: one direction's turns or the
-   whole dialogue, `workers/context.py`). A pass goes round by round: round r submits the r-th turn
+   whole dialogue, `workers/context.py`); with `--faithful` both passes run under the
+   faithfulness checks as `tolk worker` does (policy `flag`, so every answer is scored; the
+   outcomes are counted per pass). A pass goes round by round: round r submits the r-th turn
    of every dialogue at once and runs them to completion (a batch, as concurrent
    conversations are), so turn r+1 sees turn r's answer. Per direction: chrF of each pass
    (sacrebleu statistics), context minus plain with a paired bootstrap 95 % interval and the
@@ -45,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -63,8 +66,10 @@ from workers.engine.types import (
     GenerationResult,
     RequestHandle,
     SamplingParams,
+    TranslationEngine,
 )
 from workers.engine_wrapper import EngineWrapper
+from workers.faithful_engine import faithful
 
 DIRECTIONS = ("de-en", "en-de")
 
@@ -114,7 +119,11 @@ def _run(result: GenerationResult) -> TurnRun:
 
 
 def run_pass(
-    engine: Engine, convs: list[list[Utterance]], max_new: int, context: ContextEngine | None
+    engine: Engine,
+    convs: list[list[Utterance]],
+    max_new: int,
+    served: TranslationEngine,
+    context: ContextEngine | None,
 ) -> list[list[TurnRun]]:
     """Round by round: the r-th turn of every dialogue together, run to completion."""
     out: list[list[TurnRun]] = [[] for _ in convs]
@@ -136,7 +145,7 @@ def run_pass(
                     (i, context.submit_translation(**kw, conversation_id=u.conversation_id))
                 )
             else:
-                handles.append((i, engine.submit_translation(**kw)))
+                handles.append((i, served.submit_translation(**kw)))
         engine.run_until_done()
         for i, h in handles:
             out[i].append(_run(h.result(0)))
@@ -284,6 +293,9 @@ def combine(paths: list[str], out_path: str | None) -> None:
         seconds.update(data.get("seconds", {}))
         if "context_counts" in data:
             first = {**first, "context_counts": data["context_counts"]}
+        if "faithful_outcomes" in data:
+            merged = {**first.get("faithful_outcomes", {}), **data["faithful_outcomes"]}
+            first = {**first, "faithful_outcomes": merged}
     a = first["args"]
     convs = dialogues(a["dialogues"], a["max_turns"], a["seed"])
     out = {
@@ -301,6 +313,14 @@ def combine(paths: list[str], out_path: str | None) -> None:
             out["kept_warm_seconds"] = data.get("kept_warm_seconds")
     write_json(out, out_path)
     print(json.dumps({k: v for k, v in out.items() if k not in ("outputs",)}, indent=1))
+
+
+def _by_label(counts: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """(lang, label) -> count, summed over the languages."""
+    out: dict[str, int] = defaultdict(int)
+    for (_lang, label), n in counts.items():
+        out[label] += n
+    return dict(out)
 
 
 def _commit() -> str:
@@ -321,6 +341,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256, help="history tokens (TOLK_CONTEXT_TOKENS)")
     ap.add_argument("--layout", choices=LAYOUTS, default=DEFAULT_LAYOUT, help="history layout")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument(
+        "--faithful",
+        action="store_true",
+        help="both passes under the faithfulness checks (policy flag), as `tolk worker` runs",
+    )
     ap.add_argument("--ttft-dialogues", type=int, default=3)
     ap.add_argument("--ttft-max-turns", type=int, default=12)
     ap.add_argument("--skip-quality", action="store_true")
@@ -351,15 +376,21 @@ def main() -> None:
             engine.warm(["en", "de"])
             ctx = None
             engine.prompt_history = None
+            served: Any = engine
+            if args.faithful:  # the service's checks, policy flag: the text is scored
+                served = faithful(engine, policy="flag", default_max_new_tokens=args.max_new_tokens)
             if name == "context":
                 memory = ConversationMemory(args.budget, layout=args.layout)
-                ctx = ContextEngine(engine, base=engine, memory=memory)
+                ctx = ContextEngine(served, base=engine, memory=memory)
             t0 = time.perf_counter()
-            passes[name] = run_pass(engine, convs, args.max_new_tokens, ctx)
+            passes[name] = run_pass(engine, convs, args.max_new_tokens, served, ctx)
             seconds[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {seconds[name]} s", file=sys.stderr, flush=True)
             if ctx is not None:  # contextual, no_history, history_leak (retried), recorded
                 out["context_counts"] = dict(ctx.counts)
+            if args.faithful:  # per pass: outcomes (retried, flagged) over both languages
+                outcomes = out.setdefault("faithful_outcomes", {})
+                outcomes[name] = _by_label(served.outcomes)
         out["seconds"] = seconds
         out["runs"] = {n: [[asdict(t) for t in c] for c in runs] for n, runs in passes.items()}
         if {"plain", "context"} <= set(passes):
