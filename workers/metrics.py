@@ -245,7 +245,8 @@ class WorkerMetrics:
             "context_turns_total",
             "Conversation turns by outcome: contextual (earlier turns in the prompt), "
             "no_history (first turn of its conversation, or its history expired), "
-            "no_conversation (the request named none), recorded (kept as history).",
+            "no_conversation (the request named none), history_leak (the answer copied a "
+            "history turn: run again without history), recorded (kept as history).",
             ["outcome"],
             namespace=ns,
             registry=registry,
