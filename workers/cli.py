@@ -181,7 +181,8 @@ def worker(
         typer.Option(
             "--context/--no-context",
             help="Earlier turns of the conversation in the prompt (TOLK_CONTEXT_TOKENS budget). "
-            "Measured worse with Gemma 3 270M (docs/BENCHMARKS.md): A/B it before use.",
+            "TOLK_CONTEXT_LAYOUT direction|dialogue. No detectable gain with Gemma 3 270M, at "
+            "about twice the compute (docs/BENCHMARKS.md): A/B it before use.",
         ),
     ] = False,
     drill_inject_latency: Annotated[
