@@ -226,9 +226,7 @@ class ConversationMemory:
     def _chain_key(self, source_lang: str, target_lang: str) -> str:
         return f"{source_lang}>{target_lang}" if self.layout == "direction" else ""
 
-    def begin_turn(
-        self, conversation_id: str, source_lang: str = "", target_lang: str = ""
-    ) -> TurnStart:
+    def begin_turn(self, conversation_id: str, source_lang: str, target_lang: str) -> TurnStart:
         """A new turn (of that direction) arrives: its place in the order spoken and the
         history its prompt shows (none for an unknown or expired conversation)."""
         now = self._clock()
@@ -272,7 +270,7 @@ class ConversationMemory:
             chain.start = 0
 
     def history(
-        self, conversation_id: str, source_lang: str = "", target_lang: str = ""
+        self, conversation_id: str, source_lang: str, target_lang: str
     ) -> list[RecordedTurn]:
         """The turns the conversation's next prompt of that direction shows (a copy)."""
         with self._lock:
