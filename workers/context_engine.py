@@ -173,7 +173,13 @@ class ContextEngine(EngineWrapper):
         # The caller's handle resolves only once the turn is recorded: a future's waiters may
         # run before its callbacks, and the conversation's next turn must see this one.
         running = [handle]  # the run the caller's cancel reaches (the retry, once it runs)
-        outer = RequestHandle(request_id, lambda _rid: running[-1].cancel())
+        cancelled = threading.Event()  # the caller cancelled: no retry starts after that
+
+        def cancel(_rid: str) -> None:
+            cancelled.set()
+            running[-1].cancel()
+
+        outer = RequestHandle(request_id, cancel)
 
         def finish(result: GenerationResult, retry_note: str | None = None) -> None:
             try:
@@ -187,7 +193,7 @@ class ContextEngine(EngineWrapper):
 
         def on_done(result: GenerationResult) -> None:  # engine thread (or now, for a hit)
             copied = self._copied_turn(text, target_lang, result, start.shown)
-            if copied is None:
+            if copied is None or cancelled.is_set():
                 finish(result)
                 return
             self._count("history_leak")
@@ -201,6 +207,8 @@ class ContextEngine(EngineWrapper):
             again.add_done_callback(
                 lambda second: finish(merged_runs(result, second, request_id), why)
             )
+            if cancelled.is_set():  # cancel() raced with the submit above
+                again.cancel()
 
         handle.add_done_callback(on_done)
         return outer

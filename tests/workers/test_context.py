@@ -297,6 +297,49 @@ def test_an_answer_copying_a_history_turn_runs_again_without_history(
     ]
 
 
+class DeferredContinuingEngine(ContinuingEngine):
+    """`ContinuingEngine` whose answers arrive only at `release()`; it records cancels."""
+
+    def __init__(self, prompts: PromptBuilder) -> None:
+        super().__init__(prompts, {})
+        self.pending: list[tuple[RequestHandle, GenerationResult]] = []
+        self.cancels: list[str] = []
+
+    def submit_translation(self, **kw: Any) -> RequestHandle:
+        answer = super().submit_translation(**kw).result(0)
+        handle = RequestHandle(kw["request_id"], self.cancels.append)
+        self.pending.append((handle, answer))
+        return handle
+
+    def release(self) -> None:
+        while self.pending:
+            handle, answer = self.pending.pop(0)
+            handle.set_result(answer)
+
+
+def test_a_turn_cancelled_before_its_answer_is_not_retried_without_history(
+    gemma_prompts: PromptBuilder,
+) -> None:
+    base = DeferredContinuingEngine(gemma_prompts)
+    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+
+    def turn(k: int) -> RequestHandle:
+        src, s, t, _ = DIALOGUE[k]
+        return ctx.submit_translation(
+            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+        )
+
+    turn(0)
+    base.release()
+    handle = turn(2)  # de->en with turn 0 in its history: its answer will copy turn 0's
+    handle.cancel()  # e.g. the worker's drain timeout, before the answer arrives
+    assert base.cancels == ["r2"]
+    base.release()
+    result = handle.result(0)
+    assert "r2" + NO_HISTORY_SUFFIX not in base.built  # no new run for a cancelled turn
+    assert RETRY_NOTE not in result.notes and ctx.counts["history_leak"] == 0
+
+
 def test_a_turn_that_is_the_history_turn_again_is_not_a_leak(
     gemma_prompts: PromptBuilder,
 ) -> None:
