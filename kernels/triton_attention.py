@@ -77,6 +77,20 @@ def _dot(a, b, DOT_LOW: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
+def _softmax_tile(s, v, m_i, l_i, acc, DOT_LOW: tl.constexpr, LOW: tl.constexpr):
+    """One key tile of the online softmax: scores `s` [M, N] (positions not seen at -inf) and
+    values `v` [N, D] folded into the running max `m_i` [M], sum `l_i` [M] and output `acc`
+    [M, D]; returns the three updated."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p, v, DOT_LOW, LOW)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, start_ptr, out_ptr, po_ptr, plse_ptr,
     scale,
@@ -125,14 +139,8 @@ def _decode_kernel(
         s = _dot(q, tl.trans(k), DOT_LOW, LOW) * scale  # [BLOCK_G, BLOCK_N]
         s = _softcap(s, SOFTCAP)
         s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_LOW, LOW)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc, DOT_LOW, LOW)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if PARTIAL:  # this split's output and log-sum-exp, merged by _merge_kernel
@@ -180,14 +188,8 @@ def _prefix_kernel(
         k = tl.load(k_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
         s = _dot(q, tl.trans(k), DOT_LOW, LOW) * scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_LOW, LOW)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc, DOT_LOW, LOW)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse = tl.where(l_i > 0.0, m_i + tl.log(l_safe), float("-inf"))
     flat = row * H + head  # [B, H]

@@ -14,7 +14,8 @@ block, and the query at position `p` sees positions `<= p` and, with a sliding w
   kernel over a contiguous copy is as fast, but a step's many short chunks are one launch here.
 
 Numerics as in `kernels/triton_attention.py`, whose jit helpers (`_dot`: the dtype of `tl.dot`
-on a GPU and under the interpreter, `_softcap`) and host checks this module uses; its torch
+on a GPU and under the interpreter, `_softcap`, `_softmax_tile`: one key tile of the online
+softmax) and host checks this module uses; its torch
 reference is `kernels.attention.paged_attention`.
 
 A leaf: torch, triton and `kernels.triton_attention`.
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention import _check, _dot, _dot_dtypes, _softcap
+from kernels.triton_attention import _check, _dot, _dot_dtypes, _softcap, _softmax_tile
 
 __all__ = ["BLOCK_M_PREFILL", "BLOCK_N_PREFILL", "varlen_paged_attention"]
 
@@ -82,14 +83,8 @@ def _varlen_kernel(
         if WINDOW > 0:
             seen &= pos[None, :] > q_pos[:, None] - WINDOW
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_use[:, None])
-        alpha = tl.exp(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_LOW, LOW)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc, DOT_LOW, LOW)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None])  # fmt: skip
