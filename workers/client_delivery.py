@@ -42,6 +42,7 @@ from workers.client_types import (
     TranslationQueueFull,
     TranslationReply,
 )
+from workers.kafka_config import PERMANENT_PRODUCE_CODES  # no resend can fix these
 
 __all__ = ["PendingSend", "RequestSender"]
 
@@ -51,20 +52,6 @@ log = logging.getLogger(__name__)
 _QUEUE_FULL_FIRST_DELAY_S = 0.005
 _QUEUE_FULL_MAX_DELAY_S = 0.25
 _RESEND_DELAY_S = 0.1  # before sending an undelivered request again (doubled, up to 1.6 s)
-# Delivery errors no resend can fix: the request fails at once.
-_PERMANENT_PRODUCE_CODES = frozenset(
-    {
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._UNKNOWN_TOPIC,
-        KafkaError._UNKNOWN_PARTITION,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
-        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-        KafkaError.MSG_SIZE_TOO_LARGE,
-        KafkaError.RECORD_LIST_TOO_LARGE,
-        KafkaError.INVALID_RECORD,
-        KafkaError._INVALID_ARG,
-    }
-)
 
 
 @dataclass(slots=True)
@@ -140,7 +127,7 @@ class RequestSender:
         if err.code() == KafkaError._MSG_TIMED_OUT:
             cause += f" (no broker acknowledged it within {self._delivery_timeout:g} s)"
         time_left = send.give_up_at - time.monotonic()
-        if err.code() in _PERMANENT_PRODUCE_CODES or time_left <= 0 or self._closing.is_set():
+        if err.code() in PERMANENT_PRODUCE_CODES or time_left <= 0 or self._closing.is_set():
             self._fail(send.rid, TranslationNotDelivered(send.rid, send.topic, cause))
             return
         # Passing (the broker was unreachable for the whole delivery timeout, ...): send it

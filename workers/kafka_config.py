@@ -31,6 +31,8 @@ from workers.settings import Settings
 
 __all__ = [
     "MISSING_TOPIC_CODES",
+    "PERMANENT_PRODUCE_CODES",
+    "TOO_LARGE_CODES",
     "KafkaConnectionError",
     "ReplyTopicChecker",
     "check_broker",
@@ -52,6 +54,21 @@ MISSING_TOPIC_CODES = frozenset(
         KafkaError.TOPIC_AUTHORIZATION_FAILED,
         KafkaError.TOPIC_EXCEPTION,
     }
+)
+TOO_LARGE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+# Produce errors that no retry can fix (a worker's reply becomes a dead letter, a client's
+# request fails at once): no such topic for us, too large, invalid, not authorized.
+PERMANENT_PRODUCE_CODES = (
+    MISSING_TOPIC_CODES
+    | TOO_LARGE_CODES
+    | frozenset(
+        {
+            KafkaError.INVALID_RECORD,
+            KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+            KafkaError._INVALID_ARG,
+        }
+    )
 )
 
 

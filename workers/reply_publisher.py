@@ -29,8 +29,8 @@ librdkafka already retries a produce inside the producer until `message.timeout.
 (`Settings.delivery_timeout_ms`, 30 s); a delivery report with an error means that time is
 spent. What happens then:
 
-* A reply that failed for good (`PERMANENT_CODES` of `workers.reply_retry`: the reply topic
-  is missing or not ours to write, the record is too large, the request is invalid) becomes a
+* A reply that failed for good (`workers.kafka_config.PERMANENT_PRODUCE_CODES`: the reply
+  topic is missing or not ours to write, the record is too large, the request is invalid) becomes a
   dead letter at once (a missing topic also drops it from the `ReplyTopicChecker` cache).
 * Any other failure of a reply (timeout, NOT_ENOUGH_REPLICAS, throttling, brokers down, a
   produce() that raised) puts it on the retry queue (`workers.reply_retry.RetryQueue`):
@@ -74,13 +74,16 @@ from confluent_kafka import KafkaError, KafkaException
 from schemas.codec import encode_result
 from workers.engine.types import GenerationResult
 from workers.fairness.policy import LanguagePolicy
-from workers.kafka_config import MISSING_TOPIC_CODES, ReplyTopicChecker
+from workers.kafka_config import (
+    MISSING_TOPIC_CODES,
+    PERMANENT_PRODUCE_CODES,
+    TOO_LARGE_CODES,
+    ReplyTopicChecker,
+)
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
 from workers.reply_retry import (
-    PERMANENT_CODES,
-    TOO_LARGE_CODES,
     Outgoing,
     RetryQueue,
     error_code,
@@ -377,7 +380,7 @@ class ReplyPublisher:
             if code in MISSING_TOPIC_CODES:
                 self._reply_topics.forget(entry.topic)
                 self._give_up_reply(entry, "reply_topic_missing", why)
-            elif code in PERMANENT_CODES:
+            elif code in PERMANENT_PRODUCE_CODES:
                 self._give_up_reply(entry, "reply_undeliverable", why)
             elif entry.failures >= self.reply_attempts:
                 why = f"reply to {entry.topic!r} failed after {entry.failures} attempts: {error}"

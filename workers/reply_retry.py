@@ -5,9 +5,8 @@ the pieces of its failure handling that do not depend on how an answer is built:
 
 * `Outgoing`: one record the publisher has to get delivered (a reply or a dead letter), with
   its failed attempts so far and, for a poison request, the answer sent once it is delivered;
-* the produce errors no retry can fix (`PERMANENT_CODES`: the reply topic is missing or not
-  ours to write, the record is too large, the request is invalid) and `error_code()`, the
-  KafkaError code inside a raised `KafkaException`;
+* `error_code()`, the KafkaError code inside a raised `KafkaException` (the codes no retry
+  can fix are `workers.kafka_config.PERMANENT_PRODUCE_CODES`, shared with the client);
 * `retry_delay_s()`: the wait before producing again, 0.5 s doubling up to 30 s;
 * `slim_down()`: a dead letter the topic refused as too large, rebuilt without the original
   bytes;
@@ -29,15 +28,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from workers.kafka_config import MISSING_TOPIC_CODES
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord
 from workers.replies import dead_letter_value
 from workers.tracing import RequestTrace
 
 __all__ = [
-    "PERMANENT_CODES",
-    "TOO_LARGE_CODES",
     "Outgoing",
     "RetryQueue",
     "error_code",
@@ -48,21 +44,6 @@ __all__ = [
 RETRY_FIRST_DELAY_S = 0.5  # the wait after the first failure; doubled after each one more
 RETRY_MAX_DELAY_S = 30.0
 _DEAD_LETTER_DETAIL_CHARS = 1000  # the exception text kept on a slimmed-down dead letter
-
-TOO_LARGE_CODES = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
-# Produce errors that no retry can fix: the record goes elsewhere (a reply: a dead letter).
-PERMANENT_CODES = (
-    MISSING_TOPIC_CODES
-    | TOO_LARGE_CODES
-    | frozenset(
-        {
-            KafkaError.INVALID_RECORD,
-            KafkaError.CLUSTER_AUTHORIZATION_FAILED,
-            KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-            KafkaError._INVALID_ARG,
-        }
-    )
-)
 
 
 def retry_delay_s(failures: int) -> float:
