@@ -108,6 +108,7 @@ class EngineAdmission:
         self._lock = threading.Lock()
         # (when, group, weighted cost) of each admission in the last rate_window_s
         self._admits: deque[tuple[float, str, float]] = deque()
+        self._window: dict[str, list[float]] = {}  # group -> [cost sum, count] of _admits
         self._admitted: dict[str, _Admitted] = {}  # request id -> what the hook saw
         self._out_mean: dict[str, float] = {}  # group -> running mean of output tokens
         self._out_n: dict[str, int] = {}
@@ -144,7 +145,11 @@ class EngineAdmission:
                 self.counts["admitted"] += 1
                 if reason.startswith("idle engine"):
                     self.counts["explored"] += 1
-                self._admits.append((now, request.group, service_cost(uncached, out)))
+                cost = service_cost(uncached, out)
+                self._admits.append((now, request.group, cost))
+                acc = self._window.setdefault(request.group, [0.0, 0.0])
+                acc[0] += cost
+                acc[1] += 1
                 self._trim(now)
                 self._admitted[request.request_id] = _Admitted(batch, cached)
                 if len(self._admitted) > _MAX_REMEMBERED:  # nobody calls observe(): stay bounded
@@ -205,15 +210,10 @@ class EngineAdmission:
         with self._lock:
             self._trim(now)
             rate = slot = 0.0
-            sums: dict[str, list[float]] = {}
+            sums = {g: (c, n) for g, (c, n) in self._window.items() if n > 0}
             if self._admits:
                 span = max(1e-3, min(self.rate_window_s, now - self._admits[0][0]))
-                total = 0.0
-                for _, g, c in self._admits:
-                    total += c
-                    acc = sums.setdefault(g, [0.0, 0.0])
-                    acc[0] += c
-                    acc[1] += 1
+                total = sum(c for c, _ in sums.values())
                 rate = total / span
                 slot = total / len(self._admits)
         means = {g: c / n for g, (c, n) in sums.items()}
@@ -281,7 +281,12 @@ class EngineAdmission:
     def _trim(self, now: float) -> None:
         cut = now - self.rate_window_s
         while self._admits and self._admits[0][0] < cut:
-            self._admits.popleft()
+            _, group, cost = self._admits.popleft()
+            acc = self._window[group]
+            acc[0] -= cost
+            acc[1] -= 1
+        if not self._admits:
+            self._window.clear()  # no drift left over from the running sums
 
     def _typical_batch(self) -> int:
         with self._lock:
