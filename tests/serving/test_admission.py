@@ -180,23 +180,37 @@ def test_queue_wait_estimate_fcfs_counts_the_whole_queue() -> None:
     assert a.queue_wait_estimate("it") == pytest.approx(7 / 2.0, rel=0.1)  # 2 req/s
 
 
-def test_an_idle_engine_admits_what_the_model_would_refuse() -> None:
+def _slow_fit(**kw: Any) -> EngineAdmission:
+    """An EngineAdmission whose model was fitted on full batches that took 3 s per request."""
+    model = LatencyModel(PRIOR, min_samples=8, refit_every=8)
+    for i in range(8):
+        model.observe(20, 10 + i % 3, 8, 0, 3.0)
+    assert model.fitted
+    return EngineAdmission(model, margin_s=0.0, margin_ratio=0.0, **kw)
+
+
+def test_an_idle_engine_admits_what_only_the_fitted_model_would_refuse() -> None:
     """A model fitted on full batches may predict seconds for a request served alone in a
-    fraction of one; refusing on it would stop all learning (the simulator's lock-up)."""
-    a = adm(queue=VTCQueue(), clock=lambda: 10.0)
-    # predicted 0.5 s, 0.4 s left: refused while the engine is busy, admitted when idle
-    assert not a(req("busy", deadline=10.4), 10.0, 2, 0).admit
-    idle = a(req("idle", deadline=10.4), 10.0, 0, 0)
+    fraction of one; refusing on it would stop all learning (the simulator's lock-up). The
+    prior (0.5 s for this request) decides at an idle engine."""
+    a = _slow_fit(queue=VTCQueue(), clock=lambda: 10.0)
+    assert a.model.predict(20, 10, 1) > 2.0
+    # 1 s left: refused while the engine is busy, admitted when it is idle
+    assert not a(req("busy", deadline=11.0), 10.0, 2, 0).admit
+    idle = a(req("idle", deadline=11.0), 10.0, 0, 0)
     assert idle.admit and "idle engine" in idle.reason
     assert a.counts["explored"] == 1
+    # 0.4 s left: not even the prior fits it; a passed deadline stays EXPIRED
+    assert not a(req("hopeless", deadline=10.4), 10.0, 0, 0).admit
     assert a(req("late", deadline=9.0), 10.0, 0, 0).finish_reason is FinishReason.EXPIRED
     # the precheck: idle = nothing admitted and unobserved, nothing waiting
-    b = adm(queue=VTCQueue(), clock=lambda: 10.0)
-    assert b.precheck(req("p", deadline=10.4)).admit
-    assert b(req("running", deadline=11.0), 10.0, 0, 0).admit  # now one is in the engine
-    assert not b.precheck(req("q", deadline=10.4)).admit
-    off = EngineAdmission(LatencyModel(PRIOR), queue=VTCQueue(), explore=False, margin_s=0.0)
-    assert not off(req("x", deadline=10.4), 10.0, 0, 0).admit
+    b = _slow_fit(queue=VTCQueue(), clock=lambda: 10.0)
+    assert b.precheck(req("p", deadline=11.0)).admit
+    assert not b.precheck(req("p-hopeless", deadline=10.4)).admit
+    assert b(req("running", deadline=20.0), 10.0, 0, 0).admit  # now one is in the engine
+    assert not b.precheck(req("q", deadline=11.0)).admit
+    off = _slow_fit(queue=VTCQueue(), explore=False)
+    assert not off(req("x", deadline=11.0), 10.0, 0, 0).admit
 
 
 def test_no_rate_seen_yet_is_optimistic() -> None:
@@ -305,7 +319,7 @@ def test_fair_engine_turns_a_late_ok_into_expired_and_observes() -> None:
 
 def test_fair_engine_precheck_answers_at_once() -> None:
     q = VTCQueue()
-    a = adm(queue=q, clock=lambda: 100.0, explore=False)  # an idle engine would try it
+    a = adm(queue=q, clock=lambda: 100.0)
     fe = FairEngine(_FakeEngine(q), a, warm_prefix=False)  # type: ignore[arg-type]
     h = fe.submit(req("x", deadline=100.2))  # needs 0.5 s
     assert h.done()

@@ -33,14 +33,17 @@ queue is ahead. Nothing measured yet: 0 (the admission-time check decides). The 
 is the admitted cost over the window since the first admission in it: after an idle spell it is
 low (the estimate errs towards rejecting, at the start of a burst only).
 
-An idle engine never refuses (`explore`): with nothing running and nothing waiting, a request
-the model says would miss its deadline is admitted anyway. The model's coefficients are fitted
-on what it admitted; after a flood they describe a full batch only (output length and output x
-batch are collinear when the batch is always ~full), and their extrapolation to a small batch
-can predict seconds for a request that takes a fraction of one. Refusing on it stopped all
-learning for good: the simulator's overload at a batch cap of 16 ended with every request of
-both languages REJECTED. Served alone, the request's result is the sample the model lacked. The
-expected output length is a per-language running mean of observed outputs (capped by the
+An idle engine tries (`explore`): with nothing running and nothing waiting, a request the
+fitted model says would miss its deadline is admitted anyway when the model's prior (the
+per-token constants it started from) says it fits alone; one that not even the prior fits is
+refused. The model's coefficients are fitted on what it admitted; after a flood they describe a
+full batch only (output length and output x batch are collinear when the batch is always
+~full), and their extrapolation to a small batch can predict seconds for a request that takes a
+fraction of one. Refusing on it stopped all learning for good: the simulator's overload at a
+batch cap of 16 ended with every request of both languages REJECTED. Served alone, the
+request's result is the sample the model lacked.
+
+The expected output length is a per-language running mean of observed outputs (capped by the
 request's max), since `expected_output_tokens` from the engine is the cap itself for short texts.
 """
 
@@ -138,7 +141,8 @@ class EngineAdmission:
             queue_wait_s=0.0,  # admission is now: the wait is over
         )
         verdict, reason = d.verdict, d.reason
-        if verdict is Verdict.REJECTED and self.explore and running_batch_size == 0:
+        idle = running_batch_size == 0
+        if verdict is Verdict.REJECTED and idle and self._explores(request, now, uncached, out):
             verdict, reason = Verdict.ADMIT, f"idle engine, admitted to learn ({reason})"
         with self._lock:
             if verdict is Verdict.ADMIT:
@@ -184,7 +188,8 @@ class EngineAdmission:
             cached_tokens=cached,
             queue_wait_s=est.wait_s,
         )
-        if d.verdict is Verdict.REJECTED and self.explore and batch == 1 and not est.queued:
+        idle = batch == 1 and not est.queued
+        if d.verdict is Verdict.REJECTED and idle and self._explores(request, now, uncached, out):
             return AdmissionDecision(True, None, f"idle engine, admitted to learn ({d.reason})")
         if d.verdict is not Verdict.ADMIT:
             with self._lock:
@@ -277,6 +282,14 @@ class EngineAdmission:
         return max(1, min(cap, math.ceil(mean)))
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _explores(self, request: GenerationRequest, now: float, uncached: int, out: int) -> bool:
+        """An idle engine admits a request the fitted model refuses when the prior says it
+        fits alone (see the module notes); one no engine could serve in time is still refused.
+        """
+        if not self.explore or request.deadline is None:
+            return False
+        return now + self.model.predict_prior(uncached, out, 1) <= request.deadline
 
     def _trim(self, now: float) -> None:
         cut = now - self.rate_window_s
