@@ -67,7 +67,8 @@ class EngineRuns:
         self.metrics = metrics
         self._now_ms = clock_ms
         self.inflight: dict[str, InFlight] = {}  # request id -> the request in the engine
-        self._done: queue.SimpleQueue[tuple[str, GenerationResult]] = queue.SimpleQueue()
+        # (request id, result, monotonic time the engine finished it)
+        self._done: queue.SimpleQueue[tuple[str, GenerationResult, float]] = queue.SimpleQueue()
         self._retries = EngineRetries(settings.max_attempts)
 
     # -- submission ---------------------------------------------------------------------------
@@ -76,10 +77,14 @@ class EngineRuns:
         """Hand a checked record's request to the engine (answered at once if refused)."""
         handle = self._start_run(rec, [rec])
         if handle is not None:
+            now_ns = time.time_ns()
             self.inflight[rec.request_id] = InFlight(
-                rec.request_id, rec.lang, handle, [rec], self._now_ms()
+                rec.request_id, rec.lang, handle, [rec], self._now_ms(), submitted_ns=now_ns
             )
             self.intake.on_enqueued(rec.lang)
+            if rec.taken_ns:
+                lag_s = (now_ns - rec.taken_ns) / 1e9
+                self.metrics.observe_lag("consume_to_submit", rec.lang, lag_s)
 
     def _start_run(
         self, rec: ConsumedRecord, waiting: list[ConsumedRecord]
@@ -116,7 +121,7 @@ class EngineRuns:
         done = self._done
 
         def on_done(result: GenerationResult) -> None:  # engine thread: only enqueue
-            done.put((rid, result))
+            done.put((rid, result, time.monotonic()))
 
         handle.add_done_callback(on_done)
         return handle
@@ -127,7 +132,7 @@ class EngineRuns:
         """Handle every result the engine finished since the last call (poll thread)."""
         while True:
             try:
-                rid, result = self._done.get_nowait()
+                rid, result, finished_at = self._done.get_nowait()
             except queue.Empty:
                 break
             inflight = self.inflight.get(rid)
@@ -135,14 +140,16 @@ class EngineRuns:
                 continue
             self._retries.finished(rid)
             try:
-                self._on_result(inflight, result)
+                self._on_result(inflight, result, finished_at)
             except Exception as exc:
                 self._finish(inflight)
                 for rec in inflight.records:
                     self.publisher.dead_letter(rec, "poison", exc)
         self._start_last_runs()
 
-    def _on_result(self, inflight: InFlight, result: GenerationResult) -> None:
+    def _on_result(
+        self, inflight: InFlight, result: GenerationResult, finished_at: float | None = None
+    ) -> None:
         """Answer, retry (a failed run: workers.retries) or drop (partition gone) a result."""
         failed = is_failed_run(result)
         plan = self._retries.plan(inflight.attempts) if failed else "give_up"
@@ -163,7 +170,9 @@ class EngineRuns:
             self._finish(inflight)
             # an arm's reply says which arm answered: "<engine version>@<arm>" (workers.arms)
             model_version = arm_model_version(self.engine.model_version, self.settings.arm)
-            self.publisher.answer_from_engine(inflight, result, model_version=model_version)
+            self.publisher.answer_from_engine(
+                inflight, result, model_version=model_version, finished_at=finished_at
+            )
 
     def _owned_records(self, inflight: InFlight, *, final: bool) -> list[ConsumedRecord]:
         """The records this worker still answers; those of a partition revoked meanwhile and

@@ -26,6 +26,20 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Seconds: a cache hit takes microseconds (L1) to a millisecond or so (L2, a Redis round trip).
 _RETRIEVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+# Seconds: the worker's own hand-offs take ~a millisecond; a GIL stall behind an engine step
+# tens to hundreds of them; the schedule lag includes the engine queue's wait (seconds).
+_LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
+# The poll thread's lags around the engine (issue 25, item 6): name -> help text.
+_LAGS = {
+    "consume_to_submit": "From taking the record from the consumer to handing it to the engine "
+    "(decoding, checks, the result-store look-up, and poll-thread stalls).",
+    "consume_to_schedule": "From taking the record from the consumer to the engine's scheduler "
+    "first scheduling it (consume_to_submit + the wait in the engine's queue).",
+    "finish_to_produce": "From the engine finishing a request to its reply being handed to the "
+    "producer (the poll thread picks results up between polls).",
+    "finish_to_delivered": "From the engine finishing a request to the broker acknowledging "
+    "its reply (the delivery callback, served by producer.poll on the poll thread).",
+}
 
 
 class WorkerMetrics:
@@ -85,6 +99,17 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        self.lag_seconds = {
+            name: Histogram(
+                f"worker_{name}_seconds",
+                text,
+                ["lang"],
+                buckets=_LAG_BUCKETS,
+                namespace=ns,
+                registry=registry,
+            )
+            for name, text in _LAGS.items()
+        }
         self.batch_size = Histogram(
             "worker_poll_batch_size",
             "Records returned by one consumer poll (only non-empty polls).",
@@ -400,8 +425,14 @@ class WorkerMetrics:
             self.in_flight.labels(lang=lang).set(0)
             self.paused.labels(lang=lang).set(0)
             self.tokens_generated_total.labels(lang=lang)
+            for lag in self.lag_seconds.values():
+                lag.labels(lang=lang)
             for status in ("OK", "ERROR", "REJECTED", "EXPIRED"):
                 self.requests_total.labels(lang=lang, status=status)
+
+    def observe_lag(self, name: str, lang: str, seconds: float) -> None:
+        """One lag of `_LAGS` (a clock step backwards counts as 0)."""
+        self.lag_seconds[name].labels(lang=lang).observe(max(0.0, seconds))
 
     def observe_slo(self, lang: str, latency_s: float, slo_s: float | None) -> None:
         """Record one OK reply against the language's SLO (rolling window of 256)."""

@@ -129,9 +129,9 @@ class RecordIntake:
                 broker_ts_ms=ts if ts_type and ts > 0 else self._now_ms(),
                 generation=self.partitions.generation(tp),
             )
+            rec.taken_ns = time.time_ns()  # the consume-to-submit / -schedule lags
             if self._tracing:
                 rec.trace_parent = traceparent_of(msg.headers())
-                rec.taken_ns = time.time_ns()
             try:
                 if self._decode_and_route(rec, producer):
                     ready.append(rec)

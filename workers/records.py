@@ -31,7 +31,7 @@ class ConsumedRecord:
     request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
     generation: int = 0  # the partition's assignment generation when the record was taken
     trace_parent: str | None = None  # its W3C traceparent header (read with tracing on)
-    taken_ns: int = 0  # epoch ns when the worker took it from the consumer (tracing)
+    taken_ns: int = 0  # epoch ns when the worker took it from the consumer (lags, tracing)
 
     @property
     def request_id(self) -> str:
@@ -48,4 +48,5 @@ class InFlight:
     handle: RequestHandle  # the engine's future
     records: list[ConsumedRecord]  # the first one is answered (and stored) first
     submitted_ms: int  # wall clock when handed to the engine
+    submitted_ns: int = 0  # the same instant in epoch ns (the consume-to-schedule lag)
     attempts: int = 1  # engine runs so far (a failed run is retried: workers.retries)

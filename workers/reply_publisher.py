@@ -176,10 +176,16 @@ class ReplyPublisher:
     # -- answers ------------------------------------------------------------------------------
 
     def answer_from_engine(
-        self, inflight: InFlight, result: GenerationResult, *, model_version: str
+        self,
+        inflight: InFlight,
+        result: GenerationResult,
+        *,
+        model_version: str,
+        finished_at: float | None = None,
     ) -> None:
         """Reply to every record waiting on `inflight` with the engine's result (the first
-        record's reply is the one stored)."""
+        record's reply is the one stored). `finished_at`: monotonic time the engine finished
+        it (the finish-to-produce and finish-to-delivered lags)."""
         lang = inflight.lang
         reply = engine_reply(
             inflight,
@@ -202,9 +208,22 @@ class ReplyPublisher:
             policy = self._policies.get(lang)
             slo_s = policy.slo_p99_s if policy is not None else None
             m.observe_slo(lang, timings["total_ms"] / 1e3, slo_s)
+        first = inflight.records[0]
+        if first.taken_ns and inflight.submitted_ns and _scheduled(result):
+            lag_s = (inflight.submitted_ns - first.taken_ns) / 1e9 + result.timings.queue_s
+            m.observe_lag("consume_to_schedule", lang, lag_s)
         value = encode_result(reply)
         for i, rec in enumerate(inflight.records):
-            self.produce_reply(rec, value, store=(i == 0), engine=(inflight, result), status=status)
+            self.produce_reply(
+                rec,
+                value,
+                store=(i == 0),
+                engine=(inflight, result),
+                status=status,
+                finished_at=finished_at if i == 0 else None,
+            )
+        if finished_at is not None:
+            m.observe_lag("finish_to_produce", lang, time.monotonic() - finished_at)
 
     def answer_without_engine(
         self, rec: ConsumedRecord, status: str, reason: str, error: str
@@ -235,6 +254,7 @@ class ReplyPublisher:
         store: bool,
         engine: tuple[InFlight, GenerationResult] | None = None,
         status: str = "",
+        finished_at: float | None = None,
     ) -> None:
         """Produce `value` to the request's reply topic. On delivery: store it (when `store`;
         a reply answered from the store is not stored again) and mark the record done; on
@@ -246,6 +266,7 @@ class ReplyPublisher:
         if store:
             self._answered[rid] = value
         entry = Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store)
+        entry.finished_at = finished_at
         if self._tracer is not None:
             req = request_trace(rec, engine, status)
             span, entry.headers = self._tracer.reply_headers(req)
@@ -359,6 +380,9 @@ class ReplyPublisher:
 
     def _delivered(self, entry: Outgoing) -> None:
         self._retries.settle(entry)
+        if entry.finished_at is not None:
+            lag_s = time.monotonic() - entry.finished_at
+            self.metrics.observe_lag("finish_to_delivered", entry.rec.lang, lag_s)
         self._end_trace(entry, "")
         rec = entry.rec
         if entry.kind == "reply" and entry.store:
@@ -451,3 +475,9 @@ class ReplyPublisher:
             return
         self._queue_full = True
         raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, "producer queue stays full"))
+
+
+def _scheduled(result: GenerationResult) -> bool:
+    """Whether the engine's scheduler ran the request: its `queue_s` is then the wait until it
+    was first scheduled (a request refused or expired before prefill produced no token)."""
+    return result.ok or result.tokens_out > 0

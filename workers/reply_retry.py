@@ -75,6 +75,7 @@ class Outgoing:
     then: Outgoing | None = None  # sent once this one is delivered; the offset waits for it
     headers: list[tuple[str, bytes]] | None = None  # a reply's traceparent (tracing on)
     trace: tuple[Any, RequestTrace] | None = None  # its open request span, ended on delivery
+    finished_at: float | None = None  # a stored engine reply: monotonic time the engine finished
 
 
 def slim_down(entry: Outgoing, error: str, now_ms: int) -> None:

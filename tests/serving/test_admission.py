@@ -87,46 +87,84 @@ def test_expired_rejected_admitted_by_deadline() -> None:
     late = a(req("late", deadline=9.0), 10.0, 0, 0)
     assert not late.admit and late.finish_reason is FinishReason.EXPIRED
     assert "deadline passed" in late.reason
-    tight = a(req("tight", deadline=10.4), 10.0, 0, 0)  # needs 0.5 s, has 0.4 s
+    tight = a(req("tight", deadline=10.4), 10.0, 1, 0)  # needs 0.5 s, has 0.4 s
     assert not tight.admit and tight.finish_reason is FinishReason.REJECTED
     assert "would miss deadline" in tight.reason
     ok = a(req("ok", deadline=10.6), 10.0, 0, 0)
     assert ok.admit and ok.finish_reason is None
-    assert a.counts == {"admitted": 1, "rejected": 1, "expired": 1, "prechecked": 0}
+    assert a.counts == {
+        "admitted": 1,
+        "rejected": 1,
+        "expired": 1,
+        "prechecked": 0,
+        "explored": 0,
+    }
 
 
 def test_cached_prefix_shortens_the_prediction() -> None:
     a = adm()
     # 20 prompt tokens, 15 cached: service 0.1 + 0.05 + 0.2 = 0.35 s
-    assert not a(req("cold", deadline=10.4), 10.0, 0, 0).admit
-    assert a(req("warm", deadline=10.4), 10.0, 0, 15).admit
+    assert not a(req("cold", deadline=10.4), 10.0, 1, 0).admit
+    assert a(req("warm", deadline=10.4), 10.0, 1, 15).admit
 
 
 def test_margins_refuse_borderline_requests() -> None:
     a = EngineAdmission(LatencyModel(PRIOR), margin_s=0.05, margin_ratio=0.1)
     # 0.5 s service + 10% + 50 ms = 0.6 s needed
-    assert not a(req("a", deadline=10.55), 10.0, 0, 0).admit
-    assert a(req("b", deadline=10.65), 10.0, 0, 0).admit
+    assert not a(req("a", deadline=10.55), 10.0, 1, 0).admit
+    assert a(req("b", deadline=10.65), 10.0, 1, 0).admit
 
 
-def test_queue_wait_estimate_vtc_uses_depth_and_fair_share() -> None:
-    clock = [0.0]
-    q = VTCQueue({"de": 3.0, "it": 1.0})
-    a = adm(queue=q, clock=lambda: clock[0])
-    # 40 admissions in 10 s, all German: 4 req/s in total
-    for i in range(40):
-        clock[0] = i * 0.25
+def _admit_at_rate(a: EngineAdmission, clock: list[float], n: int, every_s: float) -> None:
+    """n admissions of req(prompt=20, out=10): weighted cost 20 + 2 * 10 = 40 each."""
+    for i in range(n):
+        clock[0] = i * every_s
         assert a(req(f"d{i}"), clock[0], 3, 0).admit
+
+
+def test_queue_wait_is_the_wait_in_vtc_order() -> None:
+    """Issue 25: a light language below its share waits one service slot behind a heavy
+    backlog, the heavy language its own backlog; the same deadline admits one, sheds the
+    other."""
+    clock = [0.0]
+    q = VTCQueue({"de": 4.0, "it": 1.0}, burst_tokens=256.0)
+    a = adm(queue=q, clock=lambda: clock[0])
+    _admit_at_rate(a, clock, 40, 0.25)  # 4 req/s of cost 40: one slot = 0.25 s
     clock[0] = 10.0
-    assert a.queue_wait_estimate("it") == 0.0  # nothing of it waits: next free slot
+    assert a.queue_wait_estimate("it") == 0.0  # nothing waits: a slot is free
+    for i in range(50):
+        q.push(req(f"w{i}", "de"))
+    q.charge(req("served", "de"), 1000, 0)  # German has been served: counter 1000 / 4 = 250
+    light = a.wait_estimate("it")
+    assert light.ahead == {}  # lifted to max(0, 250 - 256): before every German request
+    assert light.wait_s == pytest.approx(0.25)  # one slot, not 50
+    heavy = a.wait_estimate("de")
+    assert heavy.ahead == {"de": 50}
+    assert heavy.wait_s == pytest.approx(51 * 0.25)
+    # 3 s left: the light request (0.25 s + 0.5 s of service) fits, the heavy one does not
+    assert a.precheck(req("light", "it", deadline=13.0)).admit
+    shed = a.precheck(req("heavy", "de", deadline=13.0))
+    assert not shed.admit and shed.finish_reason is FinishReason.REJECTED
+    assert "queue 12.750s" in shed.reason
+
+
+def test_queue_wait_counts_the_other_group_up_to_its_counter() -> None:
+    clock = [0.0]
+    q = VTCQueue({"de": 3.0, "it": 1.0})  # no burst credit: it ties with German on arrival
+    a = adm(queue=q, clock=lambda: clock[0])
+    _admit_at_rate(a, clock, 40, 0.25)
+    clock[0] = 10.0
     for i in range(8):
         q.push(req(f"w{i}", "de"))
     for i in range(4):
         q.push(req(f"i{i}", "it"))
-    # de: measured 4/s beats its share 3/4 * 4 = 3/s -> 8 / 4 = 2 s
-    assert a.queue_wait_estimate("de") == pytest.approx(8 / 4.0, rel=0.05)
-    # it: never admitted, so its fair share 1/4 of 4/s counts -> 4 / 1 = 4 s
-    assert a.queue_wait_estimate("it") == pytest.approx(4 / 1.0, rel=0.05)
+    # it's new request is picked at counter 4 * 40 / 1 = 160; German picks at 40 / 3 * j:
+    # all 8 come first -> 4 + 8 ahead + one slot
+    assert a.wait_estimate("it").ahead == {"it": 4, "de": 8}
+    assert a.queue_wait_estimate("it") == pytest.approx(13 * 0.25)
+    # German's is picked at 8 * 40 / 3 = 106.7: Italian picks at 0, 40, 80 come first
+    assert a.wait_estimate("de").ahead == {"de": 8, "it": 3}
+    assert a.queue_wait_estimate("de") == pytest.approx(12 * 0.25)
 
 
 def test_queue_wait_estimate_fcfs_counts_the_whole_queue() -> None:
@@ -139,7 +177,40 @@ def test_queue_wait_estimate_fcfs_counts_the_whole_queue() -> None:
     clock[0] = 10.0
     for i in range(6):
         q.push(req(f"w{i}", "es"))
-    assert a.queue_wait_estimate("it") == pytest.approx(6 / 2.0, rel=0.1)  # 2 req/s
+    assert a.queue_wait_estimate("it") == pytest.approx(7 / 2.0, rel=0.1)  # 2 req/s
+
+
+def _slow_fit(**kw: Any) -> EngineAdmission:
+    """An EngineAdmission whose model was fitted on full batches that took 3 s per request."""
+    model = LatencyModel(PRIOR, min_samples=8, refit_every=8)
+    for i in range(8):
+        model.observe(20, 10 + i % 3, 8, 0, 3.0)
+    assert model.fitted
+    return EngineAdmission(model, margin_s=0.0, margin_ratio=0.0, **kw)
+
+
+def test_an_idle_engine_admits_what_only_the_fitted_model_would_refuse() -> None:
+    """A model fitted on full batches may predict seconds for a request served alone in a
+    fraction of one; refusing on it would stop all learning (the simulator's lock-up). The
+    prior (0.5 s for this request) decides at an idle engine."""
+    a = _slow_fit(queue=VTCQueue(), clock=lambda: 10.0)
+    assert a.model.predict(20, 10, 1) > 2.0
+    # 1 s left: refused while the engine is busy, admitted when it is idle
+    assert not a(req("busy", deadline=11.0), 10.0, 2, 0).admit
+    idle = a(req("idle", deadline=11.0), 10.0, 0, 0)
+    assert idle.admit and "idle engine" in idle.reason
+    assert a.counts["explored"] == 1
+    # 0.4 s left: not even the prior fits it; a passed deadline stays EXPIRED
+    assert not a(req("hopeless", deadline=10.4), 10.0, 0, 0).admit
+    assert a(req("late", deadline=9.0), 10.0, 0, 0).finish_reason is FinishReason.EXPIRED
+    # the precheck: idle = nothing admitted and unobserved, nothing waiting
+    b = _slow_fit(queue=VTCQueue(), clock=lambda: 10.0)
+    assert b.precheck(req("p", deadline=11.0)).admit
+    assert not b.precheck(req("p-hopeless", deadline=10.4)).admit
+    assert b(req("running", deadline=20.0), 10.0, 0, 0).admit  # now one is in the engine
+    assert not b.precheck(req("q", deadline=11.0)).admit
+    off = _slow_fit(queue=VTCQueue(), explore=False)
+    assert not off(req("x", deadline=11.0), 10.0, 0, 0).admit
 
 
 def test_no_rate_seen_yet_is_optimistic() -> None:

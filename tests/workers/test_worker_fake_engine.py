@@ -531,3 +531,38 @@ def test_the_engine_gets_each_request_conversation_id() -> None:
         for rig in (plain, wrapped):
             rig.worker.stop()
             rig.thread.join(10)
+
+
+def test_worker_reports_its_lags_around_the_engine() -> None:
+    """Issue 25, item 6: per language, record consumed -> handed to the engine -> first
+    scheduled, and engine finished -> reply produced -> reply delivered, as histograms."""
+    rig = make_rig(engine=FakeEngine(delay_s=0.02))
+    try:
+        sent = {"de": 6, "en": 4}
+        for lang, n in sent.items():
+            for i in range(n):
+                rid = f"{lang}-lag-{i}"
+                rig.send(request_bytes(rid, f"text {i}", target=lang, src="fr"), lang, rid.encode())
+        wait_for(lambda: rig.reply_count() == 10, what="10 replies")
+
+        def count(lag: str, lang: str) -> float:
+            return rig.metric(f"tolk_worker_{lag}_seconds_count", lang=lang)
+
+        def total(lag: str, lang: str) -> float:
+            return rig.metric(f"tolk_worker_{lag}_seconds_sum", lang=lang)
+
+        wait_for(
+            lambda: all(count("finish_to_delivered", g) == n for g, n in sent.items()),
+            what="every delivery report",
+        )
+        for lang, n in sent.items():
+            for lag in ("consume_to_submit", "consume_to_schedule", "finish_to_produce"):
+                assert count(lag, lang) == n, (lag, lang)
+                assert 0.0 <= total(lag, lang) < 5.0 * n, (lag, lang)
+            # the schedule lag is the submit lag + the engine's queue wait (1 ms in the fake)
+            lower = total("consume_to_submit", lang) + n * 0.001
+            assert total("consume_to_schedule", lang) >= lower - 1e-6
+            assert total("finish_to_delivered", lang) >= total("finish_to_produce", lang)
+    finally:
+        rig.worker.stop()
+        rig.thread.join(10)

@@ -148,6 +148,17 @@ class LatencyModel:
         x = _features(prompt_tokens_uncached, output_tokens, batch_size, cached_tokens)
         return max(0.0, float(x @ self._coef))
 
+    def predict_prior(
+        self,
+        prompt_tokens_uncached: int,
+        output_tokens: int,
+        batch_size: int,
+        cached_tokens: int = 0,
+    ) -> float:
+        """`predict` by the prior alone (what the per-token constants say, whatever was fitted)."""
+        x = _features(prompt_tokens_uncached, output_tokens, batch_size, cached_tokens)
+        return max(0.0, float(x @ self._prior))
+
     def observe(
         self,
         prompt_tokens_uncached: int,

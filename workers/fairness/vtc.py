@@ -226,6 +226,13 @@ class VTCQueue(_Ledger):
     def backlogged(self) -> frozenset[str]:
         return frozenset(self._backlogged)
 
+    def idle_floor(self) -> float:
+        """The lift floor while nothing is backlogged: the counter of the group that left the
+        backlog last (0 before any did)."""
+        if self._last_left is None:
+            return 0.0
+        return self._counters.get(self._last_left, 0.0)
+
     def __iter__(self) -> Iterator[GenerationRequest]:
         """Waiting requests, in no particular order (for metrics and shutdown)."""
         return iter([e.request for e in self._live.values()])
@@ -251,10 +258,8 @@ class VTCQueue(_Ledger):
     def _lift(self, group: str) -> None:
         if self._backlogged:
             floor = min(self._counters.get(g, 0.0) for g in self._backlogged)
-        elif self._last_left is not None:
-            floor = self._counters.get(self._last_left, 0.0)
         else:
-            floor = 0.0
+            floor = self.idle_floor()
         floor -= self.burst_tokens / self.weight(group)
         self._counters[group] = max(self._counters.get(group, 0.0), floor)
 

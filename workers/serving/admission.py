@@ -20,21 +20,31 @@ The queue wait is left out on purpose: it depends on the backlog, not on the req
 estimated separately below; a model fitted on total latency would learn the backlog of the
 past minute and reject everything once a flood is over.
 
-Queue-wait estimate for a language `g` (an approximation, documented here because it is one):
-the scheduler admits a backlogged VTC group at a rate proportional to its weight, so
+Queue-wait estimate (`wait_estimate`): the wait *in VTC order*, workers.fairness.vtc_wait.
+The queue is read as one `QueueSnapshot` (depths, virtual counters, weights, burst credit, the
+lift floor); each language's request cost (uncached prompt + 2 x expected output, what the queue
+charges) is the mean over its admissions in the last `rate_window_s`, and the service rate is
+the cost admitted per second over the same window. The request waits behind its own language's
+backlog, plus, of each other language, the requests whose counters come before its own pick
+(given the weights and the burst credit), plus one service slot for the full batch to make room;
+so a light language below its share waits about one slot however deep a heavy one's backlog is,
+while the heavy language waits behind its own backlog at its share. With an FCFS queue the whole
+queue is ahead. Nothing measured yet: 0 (the admission-time check decides). The measured rate
+is the admitted cost over the window since the first admission in it: after an idle spell it is
+low (the estimate errs towards rejecting, at the start of a burst only).
 
-    wait_g ~ depth_g / rate_g,   rate_g = max(measured admissions/s of g over the last
-                                                `rate_window_s`,
-                                            total admissions/s * w_g / sum of backlogged w)
+An idle engine tries (`explore`): with nothing running and nothing waiting, a request the
+fitted model says would miss its deadline is admitted anyway when the model's prior (the
+per-token constants it started from) says it fits alone; one that not even the prior fits is
+refused. The model's coefficients are fitted on what it admitted; after a flood they describe a
+full batch only (output length and output x batch are collinear when the batch is always
+~full), and their extrapolation to a small batch can predict seconds for a request that takes a
+fraction of one. Refusing on it stopped all learning for good: the simulator's overload at a
+batch cap of 16 ended with every request of both languages REJECTED. Served alone, the
+request's result is the sample the model lacked.
 
-The measured rate covers a group that is served more than its share (others idle); the share
-term covers a group that only just became backlogged (its measured rate is still low). It
-ignores that requests of different size cost different service, and that EDF inside a group may
-put a request ahead of older ones (it then waits less: the estimate errs towards rejecting). An
-empty group waits for the next free batch slot only (taken as 0). With an FCFS queue (no
-weights) the whole queue is ahead: wait ~ len(queue) / total admissions/s. The expected output
-length is a per-language running mean of observed outputs (capped by the request's max), since
-`expected_output_tokens` from the engine is the cap itself for short texts.
+The expected output length is a per-language running mean of observed outputs (capped by the
+request's max), since `expected_output_tokens` from the engine is the cap itself for short texts.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ from workers.engine.types import (
     RequestQueue,
 )
 from workers.fairness.latency_model import DeadlineAdmission, LatencyModel, Verdict
+from workers.fairness.vtc import service_cost
+from workers.fairness.vtc_wait import GroupState, QueueState, WaitEstimate, fcfs_wait, vtc_wait
 from workers.serving.queue_snapshot import snapshot_of
 
 __all__ = ["EngineAdmission"]
@@ -87,19 +99,29 @@ class EngineAdmission:
         margin_s: float = 0.05,
         margin_ratio: float = 0.1,
         rate_window_s: float = 30.0,
+        explore: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model or LatencyModel()
         self.deadlines = DeadlineAdmission(self.model, margin_s, margin_ratio)
         self.queue = queue
         self.rate_window_s = rate_window_s
+        self.explore = explore
         self.clock = clock
         self._lock = threading.Lock()
-        self._admits: deque[tuple[float, str]] = deque()  # (when, group), last rate_window_s
+        # (when, group, weighted cost) of each admission in the last rate_window_s
+        self._admits: deque[tuple[float, str, float]] = deque()
+        self._window: dict[str, list[float]] = {}  # group -> [cost sum, count] of _admits
         self._admitted: dict[str, _Admitted] = {}  # request id -> what the hook saw
         self._out_mean: dict[str, float] = {}  # group -> running mean of output tokens
         self._out_n: dict[str, int] = {}
-        self.counts: dict[str, int] = {"admitted": 0, "rejected": 0, "expired": 0, "prechecked": 0}
+        self.counts: dict[str, int] = {
+            "admitted": 0,
+            "rejected": 0,
+            "expired": 0,
+            "prechecked": 0,
+            "explored": 0,
+        }
 
     # -- the scheduler's hook (engine thread) -------------------------------------------------
 
@@ -107,26 +129,38 @@ class EngineAdmission:
         self, request: GenerationRequest, now: float, running_batch_size: int, cached: int
     ) -> AdmissionDecision:
         batch = running_batch_size + 1
+        uncached = max(0, len(request.prompt_ids) - cached)
+        out = self.expected_output(request)
         d = self.deadlines.decide(
             now=now,
             deadline=request.deadline,
-            prompt_tokens_uncached=max(0, len(request.prompt_ids) - cached),
-            expected_output_tokens=self.expected_output(request),
+            prompt_tokens_uncached=uncached,
+            expected_output_tokens=out,
             batch_size=batch,
             cached_tokens=cached,
             queue_wait_s=0.0,  # admission is now: the wait is over
         )
+        verdict, reason = d.verdict, d.reason
+        idle = running_batch_size == 0
+        if verdict is Verdict.REJECTED and idle and self._explores(request, now, uncached, out):
+            verdict, reason = Verdict.ADMIT, f"idle engine, admitted to learn ({reason})"
         with self._lock:
-            if d.verdict is Verdict.ADMIT:
+            if verdict is Verdict.ADMIT:
                 self.counts["admitted"] += 1
-                self._admits.append((now, request.group))
+                if reason.startswith("idle engine"):
+                    self.counts["explored"] += 1
+                cost = service_cost(uncached, out)
+                self._admits.append((now, request.group, cost))
+                acc = self._window.setdefault(request.group, [0.0, 0.0])
+                acc[0] += cost
+                acc[1] += 1
                 self._trim(now)
                 self._admitted[request.request_id] = _Admitted(batch, cached)
                 if len(self._admitted) > _MAX_REMEMBERED:  # nobody calls observe(): stay bounded
                     del self._admitted[next(iter(self._admitted))]
             else:
-                self.counts[d.verdict.value] += 1
-        return _to_scheduler(d.verdict, d.reason)
+                self.counts[verdict.value] += 1
+        return _to_scheduler(verdict, reason)
 
     # -- submit-time check (any thread) -------------------------------------------------------
 
@@ -141,53 +175,68 @@ class EngineAdmission:
         if request.deadline is None:
             return AdmissionDecision(True)
         now = self.clock() if now is None else now
-        wait = self.queue_wait_estimate(request.group, now)
+        uncached = max(0, len(request.prompt_ids) - cached)
+        out = self.expected_output(request)
+        est = self.wait_estimate(request.group, now, service_cost(uncached, out))
+        batch = self._typical_batch()
         d = self.deadlines.decide(
             now=now,
             deadline=request.deadline,
-            prompt_tokens_uncached=max(0, len(request.prompt_ids) - cached),
-            expected_output_tokens=self.expected_output(request),
-            batch_size=self._typical_batch(),
+            prompt_tokens_uncached=uncached,
+            expected_output_tokens=out,
+            batch_size=batch,
             cached_tokens=cached,
-            queue_wait_s=wait,
+            queue_wait_s=est.wait_s,
         )
+        idle = batch == 1 and not est.queued
+        if d.verdict is Verdict.REJECTED and idle and self._explores(request, now, uncached, out):
+            return AdmissionDecision(True, None, f"idle engine, admitted to learn ({d.reason})")
         if d.verdict is not Verdict.ADMIT:
             with self._lock:
                 self.counts["prechecked"] += 1
                 self.counts[d.verdict.value] += 1
         return _to_scheduler(d.verdict, d.reason)
 
-    def queue_wait_estimate(self, group: str, now: float | None = None) -> float:
+    def queue_wait_estimate(
+        self, group: str, now: float | None = None, cost: float | None = None
+    ) -> float:
         """Seconds a request of `group` pushed now would wait before admission (see notes)."""
+        return self.wait_estimate(group, now, cost).wait_s
+
+    def wait_estimate(
+        self, group: str, now: float | None = None, cost: float | None = None
+    ) -> WaitEstimate:
+        """The wait of a request of `group` (weighted cost `cost`, default: its language's
+        mean) pushed now, in the queue's serving order, with what is ahead of it."""
         q = self.queue
         if q is None:
-            return 0.0
+            return WaitEstimate(0.0, 0.0)
         now = self.clock() if now is None else now
         with self._lock:
             self._trim(now)
-            total_rate = group_rate = 0.0
+            rate = slot = 0.0
+            sums = {g: (c, n) for g, (c, n) in self._window.items() if n > 0}
             if self._admits:
                 span = max(1e-3, min(self.rate_window_s, now - self._admits[0][0]))
-                total_rate = len(self._admits) / span
-                group_rate = sum(1 for _, g in self._admits if g == group) / span
+                total = sum(c for c, _ in sums.values())
+                rate = total / span
+                slot = total / len(self._admits)
+        means = {g: c / n for g, (c, n) in sums.items()}
+        fallback = cost if cost is not None else (means.get(group) or slot or 1.0)
         snap = snapshot_of(q)  # one instant of the queue, copied under the engine's lock
-        if snap.fair:
-            depths = snap.depths()
-            ahead = depths.get(group, 0)
-            if ahead == 0:
-                return 0.0
-            backlogged = [g for g, n in depths.items() if n > 0]
-            wsum = sum(snap.weight(g) for g in backlogged) or snap.weight(group)
-            share_rate = total_rate * snap.weight(group) / wsum
-            rate = max(group_rate, share_rate)
-        else:
-            ahead = len(snap)
-            if ahead == 0:
-                return 0.0
-            rate = total_rate
-        if rate <= 0:
-            return 0.0  # no admission seen yet: unknown, let the admission-time check decide
-        return ahead / rate
+        counters = snap.counters()
+        depths = dict(snap.depths())
+        if not depths and len(snap):  # a queue without a ledger: only its length is known
+            depths = {"": len(snap)}
+        groups = {
+            g: GroupState(n, counters.get(g, 0.0), snap.weight(g), means.get(g, fallback))
+            for g, n in depths.items()
+        }
+        state = QueueState(groups, snap.idle_floor, snap.burst_tokens, rate, slot or fallback)
+        if not snap.fair:
+            return fcfs_wait(state)
+        own = GroupState(0, 0.0, snap.weight(group), means.get(group, fallback))
+        return vtc_wait(state, group, own)
 
     # -- learning (engine thread) --------------------------------------------------------------
 
@@ -234,10 +283,23 @@ class EngineAdmission:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _explores(self, request: GenerationRequest, now: float, uncached: int, out: int) -> bool:
+        """An idle engine admits a request the fitted model refuses when the prior says it
+        fits alone (see the module notes); one no engine could serve in time is still refused.
+        """
+        if not self.explore or request.deadline is None:
+            return False
+        return now + self.model.predict_prior(uncached, out, 1) <= request.deadline
+
     def _trim(self, now: float) -> None:
         cut = now - self.rate_window_s
         while self._admits and self._admits[0][0] < cut:
-            self._admits.popleft()
+            _, group, cost = self._admits.popleft()
+            acc = self._window[group]
+            acc[0] -= cost
+            acc[1] -= 1
+        if not self._admits:
+            self._window.clear()  # no drift left over from the running sums
 
     def _typical_batch(self) -> int:
         with self._lock:

@@ -43,6 +43,8 @@ class QueueSnapshot:
     counter_by_group: Mapping[str, float]  # VTC counters (FCFS: weight-normalized service)
     weights: Mapping[str, float]  # explicitly configured weights
     default_weight: float  # the weight of any other group
+    burst_tokens: float = 0.0  # VTC burst credit of a group back from idle (VTCQueue)
+    idle_floor: float = 0.0  # VTC lift floor while nothing is backlogged (VTCQueue.idle_floor)
 
     def weight(self, group: str) -> float:
         return self.weights.get(group, self.default_weight)
@@ -75,14 +77,17 @@ def snapshot_of(queue: RequestQueue) -> QueueSnapshot:
 
 
 def _copy(queue: VTCQueue | FCFSQueue) -> QueueSnapshot:
+    vtc = queue if isinstance(queue, VTCQueue) else None
     return QueueSnapshot(
-        fair=isinstance(queue, VTCQueue),
+        fair=vtc is not None,
         waiting=len(queue),
         depth_by_group=MappingProxyType(queue.depths()),
         service=MappingProxyType(queue.service_by_group()),
         counter_by_group=MappingProxyType(queue.counters()),
         weights=MappingProxyType(queue.weights()),
         default_weight=queue.default_weight,
+        burst_tokens=vtc.burst_tokens if vtc is not None else 0.0,
+        idle_floor=vtc.idle_floor() if vtc is not None else 0.0,
     )
 
 

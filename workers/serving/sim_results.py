@@ -43,7 +43,8 @@ class RequestRecord:
     slo_s: float
     admitted: float = math.nan
     finish: float = math.nan
-    expired: bool = False
+    expired: bool = False  # dropped: expired or refused at admission, or refused at submission
+    rejected: bool = False  # refused at submission by the deadline precheck (SimConfig.admission)
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class LanguageResult:
     queue_p99_s: float
     slo_attainment: float  # met / decided (nan if none decided)
     window_attainment: list[float]  # per window_s window, by arrival (nan: none decided)
+    rejected: int = 0  # of `expired`, refused at submission by the deadline precheck
+    goodput: float = math.nan  # met / arrived: dropped and unfinished requests are misses
 
 
 @dataclass(slots=True)
@@ -121,7 +124,7 @@ def summarize(
         load = config.languages[lang]
         lat: list[float] = []
         waits: list[float] = []
-        arrived = completed = expired = unfinished = met = decided = 0
+        arrived = completed = expired = rejected = unfinished = met = decided = 0
         win_met = [0] * n_windows
         win_decided = [0] * n_windows
         for r in arrivals:
@@ -133,6 +136,7 @@ def summarize(
             w = min(n_windows - 1, int((r.arrival - warm) // config.window_s))
             if r.expired:
                 expired += 1
+                rejected += r.rejected
                 ok: bool | None = False
             elif not math.isnan(r.finish):
                 completed += 1
@@ -170,6 +174,8 @@ def summarize(
             window_attainment=[
                 m / d if d else math.nan for m, d in zip(win_met, win_decided, strict=True)
             ],
+            rejected=rejected,
+            goodput=met / arrived if arrived else math.nan,
         )
     backlogged = [
         g for g, res in per_lang.items() if res.backlogged_fraction >= config.backlog_fraction

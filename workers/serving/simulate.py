@@ -54,6 +54,7 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.types import FinishReason, GenerationRequest, RequestQueue, SamplingParams
 from workers.fairness.policy import DEFAULT_POLICIES
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, FCFSQueue, VTCQueue
+from workers.serving.sim_admission import SimAdmission
 from workers.serving.sim_results import LanguageResult, RequestRecord, SimResult, summarize
 
 __all__ = [
@@ -102,6 +103,7 @@ class LanguageLoad:
     # is this prefix + max(1, prompt_tokens - cached_prefix_tokens) tokens of its own
     cached_prefix_tokens: int = 0
     burst: int = 0  # requests already waiting at t = 0
+    group_size: int = 1  # requests per Poisson arrival (a chat turn split into segments)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,9 @@ class SimConfig:
     block_size: int = 16  # tokens per KV block (EngineConfig.block_size)
     kv_cache_tokens: int = 0  # KV pool size as EngineConfig's; 0 = enough for a full batch
     max_model_len: int = 2048  # prompt + output cap per sequence (EngineConfig.max_model_len)
+    # the worker's deadline admission (sim_admission.py): deadlines = arrival + SLO, a precheck
+    # at submission (refused: REJECTED, never queued), the scheduler's hook, learning on finish
+    admission: bool = False
 
 
 def make_queue(
@@ -180,7 +185,7 @@ def _request(
         prompt_ids=prefix + [next(ids) for _ in range(own)],
         params=SamplingParams(max_new_tokens=max(1, out), stop_at_newline=False, ignore_eos=True),
         group=lang,
-        deadline=at + load.slo_s if config.drop_expired else None,
+        deadline=at + load.slo_s if config.drop_expired or config.admission else None,
         arrival=at,
         expected_output_tokens=max(1, out),
     )
@@ -197,11 +202,11 @@ def _arrivals(
         times = [0.0] * load.burst
         t = 0.0
         if load.rate_rps > 0:
-            while True:
-                t += rng.expovariate(load.rate_rps)
+            while True:  # groups of group_size at rate_rps / group_size: rate_rps requests/s
+                t += rng.expovariate(load.rate_rps / max(1, load.group_size))
                 if t >= config.duration_s:
                     break
-                times.append(t)
+                times.extend([t] * max(1, load.group_size))
         for i, at in enumerate(times):
             prompt = rng.randint(*load.prompt_tokens)
             out = rng.randint(*load.output_tokens)
@@ -298,6 +303,11 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
         clock=clock,
     )
     _warm(scheduler, prefixes)
+    adm = None
+    if config.admission:
+        prefix_len = {g: len(p) for g, p in prefixes.items()}
+        adm = SimAdmission(queue, clock, config.cost, prefix_len, config.block_size)
+        scheduler.admission = adm.hook
 
     end = config.duration_s + config.drain_s
     cost = config.cost
@@ -315,9 +325,12 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
     while True:
         while ai < len(arrivals) and arrivals[ai].arrival <= t:
             r = arrivals[ai]
+            ai += 1
+            if adm is not None and not adm.submit(r.request, t):
+                r.expired = r.rejected = True  # answered REJECTED at once, never queued
+                continue
             scheduler.add_request(r.request)
             waiting[r.lang] += 1
-            ai += 1
         if t >= end:
             break
         if not scheduler.has_work():
@@ -369,6 +382,8 @@ def simulate(config: SimConfig, queue: RequestQueue | None = None) -> SimResult:
                 out_tokens[g] += produced
 
         for seq in scheduler.update_from_output(out, _sampled(out), _stop_at_length):
+            if adm is not None:
+                adm.finished(seq, t)
             if seq.finish_reason in _DONE:
                 by_id[seq.request_id].finish = t
                 if in_window:
