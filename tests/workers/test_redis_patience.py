@@ -251,3 +251,15 @@ def test_kept_results_are_bounded_and_what_is_left_at_shutdown_is_counted_as_dro
     put.fails = 0
     kept.add("late", b"y", now=1.0)
     assert kept.flush() == 1 and put.stored == {"late": b"y"} and kept.stored == 1
+
+
+def test_the_patience_setting_defaults_to_two_seconds_and_reads_tolk_store_patience_s() -> None:
+    from workers.settings import Settings
+
+    assert Settings().store_patience_s == 2.0
+    assert Settings.from_env({"TOLK_STORE_PATIENCE_S": "0.5"}).store_patience_s == 0.5
+    assert Settings.from_env({"TOLK_STORE_PATIENCE_S": "0"}).store_patience_s == 0.0
+    with pytest.raises(ValueError, match="TOLK_STORE_PATIENCE_S"):
+        Settings.from_env({"TOLK_STORE_PATIENCE_S": "later"})
+    with pytest.raises(ValueError, match="store_patience_s"):
+        Settings(store_patience_s=-1.0)
