@@ -174,8 +174,8 @@ def child(mode: str, seconds: float, url: str, patience_s: float, calls: str) ->
 
 
 def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
-    keys = ("results", "results_missing_at_end", "not_stored_first_try", "stored_late")
-    keys += ("dropped", "lookups_failed", "l2_outages", "l2_get_failed")
+    keys = ["results", "results_missing_at_end", "not_stored_first_try", "stored_late"]
+    keys += ["dropped", "lookups_failed", "l2_outages", "l2_get_failed"]
     out = {k: sum(int(r[k]) for r in rows) for k in keys}
     out["retries"] = sum(sum(r["retries"].values()) for r in rows)
     return out

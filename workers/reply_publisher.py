@@ -163,8 +163,8 @@ class ReplyPublisher:
 
     def pending_reply(self, request_id: str) -> bytes | None:
         """The reply produced for `request_id` whose delivery is still pending (in the producer
-        or on the retry queue), if any."""
-        return self._answered.get(request_id)
+        or on the retry queue), or whose result-store write is (`unstored`), if any."""
+        return self._answered.get(request_id) or self.unstored.get(request_id)
 
     def pending_retries(self) -> int:
         """Replies and dead letters that failed at least once and are not delivered yet."""

@@ -18,9 +18,11 @@ reply if its record were ever redelivered. `UnstoredResults` keeps such writes i
 Outcomes are reported to `on_stored(n)` / `on_dropped(n)` (the worker's
 `tolk_store_late_writes_total{outcome}`) and the size to `on_size(n)`
 (`tolk_store_unstored`). Not thread-safe: everything runs on the worker's poll thread.
-What stays open: a crash while results are kept here loses them (they were never stored), and
-so does a redelivery read before their retry: both are duplicates as before, now only for the
-time Redis is really unreachable.
+A duplicate of a kept request read by this worker meanwhile is answered with the kept bytes
+(`get`, through `ReplyPublisher.pending_reply`). What stays open: a crash while results are
+kept here loses them (they were never stored), and another worker that reads a redelivery
+before the late write translates it again: duplicates as before, now only for the time Redis
+is really unreachable.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class UnstoredResults:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def get(self, request_id: str) -> bytes | None:
+        """The kept result of `request_id`, if any (a duplicate read meanwhile gets it)."""
+        return self._kept.get(request_id)
 
     def add(self, request_id: str, value: bytes, now: float) -> None:
         """Keep a result whose write failed; it is tried again `first_delay_s` from `now` at

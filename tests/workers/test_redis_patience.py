@@ -230,12 +230,14 @@ def test_a_failed_result_write_is_kept_and_stored_on_a_later_try() -> None:
     kept.add("a", b"A", now=0.0)
     kept.add("b", b"B", now=0.1)
     assert len(kept) == 2 and sizes[-1] == 2
+    assert kept.get("a") == b"A" and kept.get("zz") is None  # a duplicate read meanwhile
     assert kept.retry_due(0.4) == 0 and put.fails == 2  # not due yet (0.5 s back-off)
     assert kept.retry_due(0.5) == 0 and put.fails == 1  # one try, failed: stop, back off
     assert kept.retry_due(1.4) == 0 and put.fails == 1  # back-off doubled: due at 1.5
     assert kept.retry_due(1.5) == 0 and put.fails == 0
     assert kept.retry_due(3.5) == 2  # 1.5 + 2.0: both written, oldest first
     assert put.stored == {"a": b"A", "b": b"B"} and len(kept) == 0 and sizes[-1] == 0
+    assert kept.get("a") is None
     assert counts == {"stored": 2, "dropped": 0}
     kept.add("c", b"C", now=10.0)  # the back-off starts again from the first delay
     assert kept.retry_due(10.5) == 1 and put.stored["c"] == b"C"
@@ -263,3 +265,32 @@ def test_the_patience_setting_defaults_to_two_seconds_and_reads_tolk_store_patie
         Settings.from_env({"TOLK_STORE_PATIENCE_S": "later"})
     with pytest.raises(ValueError, match="store_patience_s"):
         Settings(store_patience_s=-1.0)
+
+
+def test_a_duplicate_read_while_its_result_waits_for_a_late_write_gets_the_same_bytes() -> None:
+    from tests.workers.polling import wait_for
+    from tests.workers.test_worker_fake_engine import make_rig, request_bytes
+    from topics.catalog import REPLIES
+
+    class DownForWrites(InMemoryResultStore):
+        def __bool__(self) -> bool:  # empty, but a store (make_rig tests `store or default`)
+            return True
+
+        def put(self, request_id: str, value: bytes) -> None:
+            raise ResultStoreError("redis SET failed: Connection refused")
+
+    rig = make_rig(store=DownForWrites())
+    try:
+        rig.send(request_bytes("dup", text="hello"), "de", key=b"dup")
+        wait_for(lambda: rig.reply_count() == 1, what="the first answer")
+        wait_for(lambda: rig.metric("tolk_store_unstored") == 1, what="its result kept")
+        rig.send(request_bytes("dup", text="hello"), "de", key=b"dup")  # a redelivery
+        wait_for(lambda: rig.reply_count() == 2, what="the duplicate answered")
+        first, second = (v for _k, v in rig.broker.records(REPLIES))
+        assert first == second  # byte for byte, not translated again
+        assert rig.engine.submitted.count("dup") == 1
+        assert rig.metric("tolk_worker_duplicates_total") == 1
+    finally:
+        rig.worker.stop()
+        rig.thread.join(10)
+    assert rig.metric("tolk_store_late_writes_total", outcome="dropped") == 1  # at shutdown
