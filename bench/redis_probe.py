@@ -223,7 +223,7 @@ def _summarize_calls(path: Path) -> dict[str, Any]:
 
 def _log_counts(text: str) -> dict[str, int]:
     return {
-        "results_not_stored": text.count("not stored:"),
+        "results_not_stored": text.count(" not stored"),  # "not stored:" / "not stored yet"
         "lookups_failed": text.count("result store lookup failed"),
         "l2_outages": text.count("L2 translation cache unreachable"),
         "l2_back": text.count("L2 translation cache reachable again"),

@@ -17,9 +17,11 @@ deadline `patience_s` from its first attempt has not passed; only a call still f
 opens the breaker. Each retry is reported to `on_retry(op)`, a call that succeeded after
 retries to `on_recovered(op, attempts, seconds)`. Why (docs/BENCHMARKS.md, "Redis calls under
 CPU load"): on a machine whose CPUs are oversubscribed (two workers' torch threads on two
-cores), a healthy local Redis sometimes answers after more than the 0.3 s socket timeout,
-because redis-server (or the calling thread) waits that long for a CPU; treating each such
-call as an outage skipped the next second of calls (result writes lost, the L2 flapping). A
+cores, and more), a healthy local Redis sometimes answers after more than the 0.3 s socket
+timeout: redis-server is off the CPU that long (every client process times out in the same
+second, while the calling thread's own run-queue and GIL waits stay around a millisecond);
+treating each such call as an outage skipped the next second of calls (result writes lost,
+the L2 flapping). A
 refused connection (nothing listens) is not `transient`: it opens the breaker at once. The
 probe of an open breaker gets one attempt only, so a real outage still costs one socket
 timeout per `retry_after_s`, plus at most `patience_s` (and one timeout) when it begins.
