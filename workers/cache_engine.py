@@ -76,6 +76,7 @@ class _CacheMetrics(Protocol):
     cache_hit_seconds: Any  # Histogram (lang)
     cache_l2_degraded_total: Any  # Counter (op)
     cache_l2_up: Any  # Gauge
+    redis_retries_total: Any  # Counter (store, op)
 
 
 @dataclass(slots=True)
@@ -146,6 +147,7 @@ class CachingEngine(EngineWrapper):
         variant: str = "",
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
         l2_retry_after_s: float = 1.0,
+        l2_patience_s: float = 0.0,
         metrics: _CacheMetrics | None = None,
     ) -> None:
         self.inner = inner
@@ -163,6 +165,8 @@ class CachingEngine(EngineWrapper):
                 on_degraded=self._l2_degraded,
                 on_state=self._l2_state,
                 retry_after_s=l2_retry_after_s,
+                patience_s=l2_patience_s,
+                on_retry=self._l2_retried,
             )
         )
         self._lock = threading.Lock()
@@ -412,6 +416,10 @@ class CachingEngine(EngineWrapper):
         if self._metrics is not None:
             self._metrics.cache_l2_degraded_total.labels(op=op).inc()
 
+    def _l2_retried(self, op: str) -> None:
+        if self._metrics is not None:
+            self._metrics.redis_retries_total.labels(store="l2", op=op).inc()
+
     def _l2_state(self, up: bool) -> None:
         if self._metrics is not None:
             self._metrics.cache_l2_up.set(1 if up else 0)
@@ -472,4 +480,5 @@ def with_translation_cache(
         l2=l2,
         prompt_set_version=prompt_set_version(),
         variant=",".join(v for v in (arm, variant) if v),
+        l2_patience_s=settings.store_patience_s,
     )

@@ -213,6 +213,29 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
+        self.redis_retries_total = Counter(  # workers/breaker.py
+            "redis_retries_total",
+            "Redis calls tried again after a timeout while Redis was healthy, before the "
+            "circuit breaker counts an outage (TOLK_STORE_PATIENCE_S), by store (results / l2) "
+            "and op (get / put).",
+            ["store", "op"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.store_unstored = Gauge(  # workers/unstored.py
+            "store_unstored",
+            "Delivered replies whose result-store write failed and waits for a retry.",
+            namespace=ns,
+            registry=registry,
+        )
+        self.store_late_writes_total = Counter(  # workers/unstored.py
+            "store_late_writes_total",
+            "Result-store writes that failed once, by outcome: stored (on a later try) or "
+            "dropped (the queue of unstored results was full, or the worker stopped first).",
+            ["outcome"],
+            namespace=ns,
+            registry=registry,
+        )
         self.arm_skipped_total = Counter(  # workers/arm_routing.py
             "arm_skipped_total",
             "Requests an arm's worker read and left to another arm (marked done without a "

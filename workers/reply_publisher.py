@@ -92,6 +92,7 @@ from workers.reply_retry import (
 )
 from workers.results_store import ResultStore, ResultStoreError
 from workers.tracing import RequestTracer, request_trace
+from workers.unstored import UnstoredResults
 
 __all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyPublisher"]
 
@@ -141,6 +142,14 @@ class ReplyPublisher:
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
         self._retries = RetryQueue(metrics, monotonic)  # workers/reply_retry.py
+        self._monotonic = monotonic
+        late = metrics.store_late_writes_total
+        self.unstored = UnstoredResults(  # failed result writes, tried again (unstored.py)
+            store.put,
+            on_stored=lambda n: late.labels(outcome="stored").inc(n),
+            on_dropped=lambda n: late.labels(outcome="dropped").inc(n),
+            on_size=metrics.store_unstored.set,
+        )
         self._queue_full = False  # the last produce found the local queue full for good
 
     def attach(self, producer: Any) -> None:
@@ -154,8 +163,8 @@ class ReplyPublisher:
 
     def pending_reply(self, request_id: str) -> bytes | None:
         """The reply produced for `request_id` whose delivery is still pending (in the producer
-        or on the retry queue), if any."""
-        return self._answered.get(request_id)
+        or on the retry queue), or whose result-store write is (`unstored`), if any."""
+        return self._answered.get(request_id) or self.unstored.get(request_id)
 
     def pending_retries(self) -> int:
         """Replies and dead letters that failed at least once and are not delivered yet."""
@@ -276,9 +285,10 @@ class ReplyPublisher:
     def _store(self, rec: ConsumedRecord, value: bytes) -> None:
         try:
             self.store.put(rec.request_id, value)
-        except ResultStoreError as exc:  # the reply is out; only a redelivery pays for it
-            log.warning("result of %s not stored: %s", rec.request_id, exc)
+        except ResultStoreError as exc:  # the reply is out; kept and written again later
+            log.warning("result of %s not stored yet (kept for a retry): %s", rec.request_id, exc)
             self.metrics.errors_total.labels(lang=rec.lang, reason="store_failed").inc()
+            self.unstored.add(rec.request_id, value, self._monotonic())
 
     # -- dead letters -------------------------------------------------------------------------
 
@@ -346,7 +356,9 @@ class ReplyPublisher:
 
     def retry_due(self, now_monotonic: float) -> int:
         """Produce again every queued reply and dead letter due at `now_monotonic` (the
-        worker's loop calls this each iteration); returns how many were produced."""
+        worker's loop calls this each iteration; it also writes the results kept unstored,
+        `self.unstored`); returns how many replies / dead letters were produced."""
+        self.unstored.retry_due(now_monotonic)  # result writes that failed (unstored.py)
         due = self._retries.pop_due(now_monotonic)
         for entry in due:
             self.metrics.reply_retries_total.labels(kind=entry.kind).inc()

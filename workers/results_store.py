@@ -23,6 +23,11 @@ batch, a put per delivered reply):
   outage costs at most one timeout per second instead of one per record. Every failed or
   skipped call is reported to `on_degraded(op)` (the worker counts it in
   `tolk_store_degraded_total{op="get"|"put"}`).
+* A timeout is not an outage by itself: a call that times out (`ResultStoreTimeout`) while
+  the breaker is closed is tried again after a short back-off until `patience_s`
+  (`Settings.store_patience_s`, 2 s) after its first attempt (workers/breaker.py says why:
+  a healthy redis on a CPU-starved host answers late, not never). A refused connection fails
+  at once.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "RedisResultStore",
     "ResultStore",
     "ResultStoreError",
+    "ResultStoreTimeout",
     "result_key",
 ]
 
@@ -54,6 +60,10 @@ def result_key(request_id: str, prefix: str = KEY_PREFIX) -> str:
 
 class ResultStoreError(RuntimeError):
     """The store could not be reached or answered with an error."""
+
+
+class ResultStoreTimeout(ResultStoreError):
+    """The store did not answer within the socket timeout (slow or starved, maybe not down)."""
 
 
 class ResultStore(Protocol):
@@ -85,6 +95,7 @@ class RedisResultStore:
         if not socket_timeout_s > 0:
             raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s!r}")
         self._redis_error: type[Exception] = redis.RedisError
+        self._timeout: type[Exception] = redis.TimeoutError
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
@@ -102,7 +113,7 @@ class RedisResultStore:
         try:
             value = self._client.get(result_key(request_id, self.key_prefix))
         except self._redis_error as exc:
-            raise ResultStoreError(f"redis GET failed: {exc}") from exc
+            raise self._error("GET", exc) from exc
         return None if value is None else bytes(value)  # type: ignore[arg-type]
 
     def get_many(self, request_ids: Sequence[str]) -> list[bytes | None]:
@@ -112,14 +123,18 @@ class RedisResultStore:
         try:
             values = self._client.mget(keys)
         except self._redis_error as exc:
-            raise ResultStoreError(f"redis MGET failed: {exc}") from exc
+            raise self._error("MGET", exc) from exc
         return [None if v is None else bytes(v) for v in values]  # type: ignore[union-attr]
 
     def put(self, request_id: str, value: bytes) -> None:
         try:
             self._client.set(result_key(request_id, self.key_prefix), value, ex=self.ttl_s)
         except self._redis_error as exc:
-            raise ResultStoreError(f"redis SET failed: {exc}") from exc
+            raise self._error("SET", exc) from exc
+
+    def _error(self, command: str, exc: Exception) -> ResultStoreError:
+        kind = ResultStoreTimeout if isinstance(exc, self._timeout) else ResultStoreError
+        return kind(f"redis {command} failed: {exc}")
 
     def ping(self) -> bool:
         try:
@@ -180,7 +195,9 @@ class InMemoryResultStore:
 class CircuitBreakerStore:
     """Any `ResultStore`, failing fast for `retry_after_s` after each failure (module notes; the
     logic is `workers.breaker`). `on_degraded(op)` is called with "get" (for `get` /
-    `get_many`) or "put" on every call that failed or was skipped."""
+    `get_many`) or "put" on every call that failed or was skipped. A call that times out
+    (`ResultStoreTimeout`) while the store is healthy is tried again for up to `patience_s`
+    before it counts (`on_retry(op)` per retry)."""
 
     def __init__(
         self,
@@ -188,6 +205,9 @@ class CircuitBreakerStore:
         on_degraded: Callable[[str], None] = lambda op: None,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        patience_s: float = 0.0,
+        on_retry: Callable[[str], None] = lambda op: None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
         self.breaker = CircuitBreaker(
@@ -196,6 +216,10 @@ class CircuitBreakerStore:
             on_degraded=on_degraded,
             retry_after_s=retry_after_s,
             clock=clock,
+            transient=ResultStoreTimeout,
+            patience_s=patience_s,
+            on_retry=on_retry,
+            sleep=sleep,
         )
 
     @property

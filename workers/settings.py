@@ -29,7 +29,10 @@ Environment variables (all optional):
     TOLK_DRAIN_TIMEOUT_S      shutdown waits for in-flight     30
     TOLK_MAX_ATTEMPTS         engine runs of a request that fails (ERROR) before it is
                               dead-lettered as "poison"        3
-    TOLK_STORE_TIMEOUT_S      redis connect / read timeout     0.3
+    TOLK_STORE_TIMEOUT_S      redis connect / read timeout of one attempt               0.3
+    TOLK_STORE_PATIENCE_S     a redis call that times out is tried again (short back-off)
+                              until this long after its first attempt before the circuit
+                              breaker counts an outage (0 = never retry; workers/breaker.py) 2
     TOLK_REPLY_ATTEMPTS       deliveries of a reply tried before it is dead-lettered  5
     TOLK_DELIVERY_TIMEOUT_MS  producer message.timeout.ms      30000
     TOLK_CACHE                exact-match translation cache (workers/cache_engine.py); 0 = off  1
@@ -105,6 +108,7 @@ class Settings:
     drain_timeout_s: float = 30.0  # on shutdown, wait this long for in-flight requests
     max_attempts: int = 3  # engine runs of a request whose run fails (ERROR) before "poison"
     store_timeout_s: float = 0.3  # redis connect/read timeout: an outage never stalls the loop
+    store_patience_s: float = 2.0  # a timed-out redis call is retried this long (breaker.py)
     session_timeout_ms: int = 45_000  # consumer group session timeout (classic protocol)
     # "classic": client-side cooperative-sticky assignment; "consumer": KIP-848, the broker's
     # `range` assignor, which gives every worker partitions of every language topic (the
@@ -148,6 +152,8 @@ class Settings:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts!r}")
         if not self.store_timeout_s > 0:
             raise ValueError(f"store_timeout_s must be > 0, got {self.store_timeout_s!r}")
+        if not self.store_patience_s >= 0:
+            raise ValueError(f"store_patience_s must be >= 0, got {self.store_patience_s!r}")
         if self.burst_tokens < 0:
             raise ValueError(f"burst_tokens must be >= 0, got {self.burst_tokens!r}")
         if self.cache_l1_entries < 1:
@@ -280,6 +286,7 @@ class Settings:
             ("LIVENESS_STALL_S", "liveness_stall_s"),
             ("DRAIN_REFRESH_S", "drain_refresh_s"),
             ("CONTEXT_IDLE_S", "context_idle_s"),
+            ("STORE_PATIENCE_S", "store_patience_s"),
         ):
             value = get(env_name)
             if value is not None:

@@ -130,9 +130,12 @@ class Worker:
             store = RedisResultStore(
                 settings.redis_url, settings.result_ttl_s, socket_timeout_s=settings.store_timeout_s
             )
+        retried = self.metrics.redis_retries_total
         self.store = CircuitBreakerStore(  # fails fast while redis is down (results_store.py)
             store if self.arms is None else ArmScopedStore(store, self.arms.arm),
             on_degraded=lambda op: degraded.labels(op=op).inc(),
+            patience_s=settings.store_patience_s,  # a timeout is retried first (breaker.py)
+            on_retry=lambda op: retried.labels(store="results", op=op).inc(),
         )
         self._now_ms = clock_ms or (lambda: int(time.time() * 1000))
 
@@ -329,6 +332,7 @@ class Worker:
         left = self._producer.flush(max(1.0, end - time.monotonic()))
         if left:
             log.warning("%d messages not delivered at shutdown", left)
+        self.publisher.unstored.flush()  # result writes that failed: one last try
         self.partitions.commit(self._consumer)
         self._consumer.close()
         self.engine.stop(drain=False, timeout=5.0)

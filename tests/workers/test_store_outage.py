@@ -10,7 +10,8 @@ kills it mid-run and starts it again on the same port. Checked:
   failed or skipped call;
 * a `Worker` (in-memory Kafka, fake engine, the real redis) answers every request while redis
   is down, counts the degraded look-ups and puts in `tolk_store_degraded_total`, and stores new
-  results again once redis is back.
+  results again once redis is back, and the results of the outage too (kept, written late:
+  workers/unstored.py).
 """
 
 from __future__ import annotations
@@ -194,6 +195,15 @@ def test_worker_keeps_translating_through_a_redis_outage(private_redis: PrivateR
             lambda: redis_store.get("back4") is not None, what="results stored again", timeout=10
         )
         assert not rig.worker.store.degraded
+        # the results of the outage were kept, not skipped: stored once redis answers again
+        wait_for(
+            lambda: all(redis_store.get(f"down{i}") is not None for i in range(20)),
+            what="results of the outage stored late",
+            timeout=20,
+        )
+        assert rig.metric("tolk_store_late_writes_total", outcome="stored") == 20
+        assert rig.metric("tolk_store_late_writes_total", outcome="dropped") == 0
+        assert rig.metric("tolk_store_unstored") == 0
     finally:
         rig.worker.stop()
         rig.thread.join(10)

@@ -11,10 +11,13 @@
   `CacheBreaker` wraps it and, after a failure, skips every call for `retry_after_s` (1 s), then
   lets one call try again; success closes it. So an outage costs at most one timeout per
   second, the worker translates on with L1 and the engine, and the cache recovers by itself
-  when Redis is back (redis-py reconnects on the next command). The breaker logs the outage
-  once when it starts, at most once per `log_every_s` (60 s) while it lasts, and once when it
-  ends; every failed or skipped call is reported to `on_degraded(op)` ("get" / "put") and the
-  state to `on_state(up)` (the worker's `tolk_cache_l2_degraded_total` and `tolk_cache_l2_up`).
+  when Redis is back (redis-py reconnects on the next command). A call that merely timed out
+  while L2 was healthy is tried again for up to `patience_s` (`Settings.store_patience_s`)
+  first: a loaded host makes a healthy Redis answer late (workers/breaker.py). The breaker
+  logs the outage once when it starts, at most once per `log_every_s` (60 s) while it lasts,
+  and once when it ends; every failed or skipped call is reported to `on_degraded(op)` ("get" /
+  "put") and the state to `on_state(up)` (the worker's `tolk_cache_l2_degraded_total` and
+  `tolk_cache_l2_up`).
 
 `CacheBreaker` is thread-safe: gets run on the worker's poll thread, puts on the cache's
 writer thread.
@@ -37,6 +40,7 @@ __all__ = [
     "DEFAULT_TTL_S",
     "KEY_PREFIX",
     "CacheBreaker",
+    "CacheTimeout",
     "CacheUnavailable",
     "InMemoryTranslationCache",
     "RedisTranslationCache",
@@ -97,6 +101,10 @@ class CacheUnavailable(RuntimeError):
     """L2 could not be reached or answered with an error (or the breaker skipped the call)."""
 
 
+class CacheTimeout(CacheUnavailable):
+    """L2 did not answer within the socket timeout (slow or starved, maybe not down)."""
+
+
 class TranslationStore(Protocol):
     def get(self, key: CacheKey) -> str | None: ...
 
@@ -123,6 +131,7 @@ class RedisTranslationCache:
         if not socket_timeout_s > 0:
             raise ValueError(f"socket_timeout_s must be > 0, got {socket_timeout_s!r}")
         self._redis_error: type[Exception] = redis.RedisError
+        self._timeout: type[Exception] = redis.TimeoutError
         self._client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout_s,
@@ -140,7 +149,7 @@ class RedisTranslationCache:
         try:
             value = self._client.get(key.redis_key(self.key_prefix))
         except self._redis_error as exc:
-            raise CacheUnavailable(f"redis GET failed: {exc}") from exc
+            raise self._error("GET", exc) from exc
         return None if value is None else bytes(value).decode("utf-8")  # type: ignore[arg-type]
 
     def put(self, key: CacheKey, text: str) -> None:
@@ -151,7 +160,11 @@ class RedisTranslationCache:
                 ex=self.ttl.ttl_s(key.target_lang),
             )
         except self._redis_error as exc:
-            raise CacheUnavailable(f"redis SET failed: {exc}") from exc
+            raise self._error("SET", exc) from exc
+
+    def _error(self, command: str, exc: Exception) -> CacheUnavailable:
+        kind = CacheTimeout if isinstance(exc, self._timeout) else CacheUnavailable
+        return kind(f"redis {command} failed: {exc}")
 
     def ttl_left(self, key: CacheKey) -> int:
         """Seconds the entry has left (-2: none, -1: no TTL), as Redis's TTL answers."""
@@ -187,7 +200,9 @@ class InMemoryTranslationCache:
 
 class CacheBreaker:
     """A `TranslationStore` that fails fast for `retry_after_s` after each failure and logs the
-    outage at most once per `log_every_s` (module notes; the logic is `workers.breaker`)."""
+    outage at most once per `log_every_s` (module notes; the logic is `workers.breaker`). A
+    call that times out (`CacheTimeout`) while L2 is healthy is tried again for up to
+    `patience_s` before it counts (`on_retry(op)` per retry)."""
 
     def __init__(
         self,
@@ -198,6 +213,9 @@ class CacheBreaker:
         retry_after_s: float = 1.0,
         log_every_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        patience_s: float = 0.0,
+        on_retry: Callable[[str], None] = lambda op: None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.store = store
         self.breaker = CircuitBreaker(
@@ -210,6 +228,10 @@ class CacheBreaker:
             log_every_s=log_every_s,
             logger=log,
             clock=clock,
+            transient=CacheTimeout,
+            patience_s=patience_s,
+            on_retry=on_retry,
+            sleep=sleep,
         )
 
     @property
