@@ -10,7 +10,7 @@ import pytest
 from bench.soak import _check_loopback, parse_args
 from bench.soak_report import Tally, classify_exit, report
 
-DUMP = "last log line\nFatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):"
+DUMP = "log line\nFatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first)"
 
 
 def test_a_native_crash_is_a_fatal_signal_or_a_faulthandler_dump() -> None:
