@@ -78,13 +78,13 @@ def test_a_segfault_on_a_thread_without_python_dumps_the_python_threads() -> Non
 
         @app.command("crash-off-python")
         def crash_off_python():
+            main_thread_waiting()
+
+        def main_thread_waiting():  # on the stack from before the native thread starts
             libc = ctypes.CDLL(None)
             tid = ctypes.c_ulong()
             strlen = ctypes.cast(libc.strlen, ctypes.c_void_p)
             libc.pthread_create(ctypes.byref(tid), None, strlen, None)  # strlen(NULL)
-            main_thread_waiting()
-
-        def main_thread_waiting():
             time.sleep(30)
 
         app(["crash-off-python"])
