@@ -356,6 +356,9 @@ class Harness:
         if not seen:
             self.tally.latency_s.append(time.time() - self.tally.sent[rid])
         seen.append((str(reply.get("worker_id")), str(reply.get("status"))))
+        if reply.get("status") != "OK":
+            why = str(reply.get("error") or "")[:120]
+            self.tally.errors[why] = self.tally.errors.get(why, 0) + 1
 
     def _shutdown(self, consumer: Any, producer: Any, topics: list[str]) -> None:
         live = [inc for inc in self.slots.values() if inc is not None]

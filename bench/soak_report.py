@@ -26,6 +26,7 @@ class Tally:
     latency_s: list[float] = field(default_factory=list)
     exits: list[JSON] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (s since start, what)
+    errors: dict[str, int] = field(default_factory=dict)  # non-OK reply's error text -> count
     faults: dict[str, int] = field(
         default_factory=lambda: {"redis_stalls": 0, "joins": 0, "leaves": 0, "restarts": 0}
     )
