@@ -222,14 +222,17 @@ class Harness:
         parts = consumer.list_topics(reply_topic, timeout=10).topics[reply_topic].partitions
         consumer.assign([TopicPartition(reply_topic, p, 0) for p in sorted(parts)])
         producer = Producer({"bootstrap.servers": a.bootstrap, "linger.ms": 5})
+        error = None
         try:
             self.start_redis()
             base = [f"w{k}" for k in range(a.workers)]
             self.wait_ready([self.start_worker(s) for s in base], a.start_timeout_s)
             self._loop(consumer, producer, reply_topic, base)
+        except RuntimeError as exc:  # no start: the figures of nothing, and why
+            error = str(exc)
         finally:
             self._shutdown(consumer, producer, [s.name for s in specs])
-        return self._report()
+        return {"error": error, **self._report()} if error else self._report()
 
     def _loop(self, consumer: Any, producer: Any, reply_topic: str, base: list[str]) -> None:
         a = self.args
@@ -411,7 +414,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quiet-tail-s", type=float, default=120.0, help="no restart/join this late")
     p.add_argument("--drain-s", type=float, default=300.0, help="wait for the last replies")
     p.add_argument("--term-timeout-s", type=float, default=60.0, help="SIGTERM, then SIGKILL")
-    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--start-timeout-s", type=float, default=1200.0, help="model load + join")
     p.add_argument("--bootstrap", default=os.environ.get("TOLK_BOOTSTRAP", "127.0.0.1:9092"))
     p.add_argument("--redis-url", default=None, help="default: a private redis-server")
     p.add_argument("--log-dir", default=None, help="keep the worker logs here")
