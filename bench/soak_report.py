@@ -74,6 +74,7 @@ def report(t: Tally) -> JSON:
         "faults": t.faults,
         "crashes": crashes,
         "exits": t.exits,
-        "duplicate_examples": dict(list(dups.items())[:10]),
+        "non_ok_errors": dict(sorted(t.errors.items(), key=lambda e: -e[1])[:10]),
+        "duplicate_examples": {rid: t.replies[rid] for rid in list(dups)[:10]},
         "events": t.events,
     }

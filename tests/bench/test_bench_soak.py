@@ -40,6 +40,9 @@ def test_report_counts_unanswered_duplicates_and_unexpected_exits() -> None:
     assert (r["native_crashes"], r["unexpected_exits"]) == (1, 1)
     assert r["replies_by_worker"] == {"w0": 2}
     assert r["latency_s"]["max"] == 2.0
+    assert r["duplicate_examples"] == {"b": [("w0", "OK"), ("w1", "OK"), ("w1", "OK")]}
+    t.errors = {"withheld: too short": 3, "poison": 1}
+    assert report(t)["non_ok_errors"] == {"withheld: too short": 3, "poison": 1}
 
 
 def test_loopback_only_and_sane_arguments() -> None:
