@@ -22,6 +22,9 @@ here; so does `tolk arms set de A=30 B=70` (`publish_shares`).
   `retry_assign_s` until it exists;
 * a value that cannot be decoded or whose shares are invalid is logged and ignored: the entry
   keeps its previous shares.
+* one thread at a time uses the consumer, and that thread closes it (`stop()`): the reader
+  thread once started, the caller before; a `close()` racing a `consume()` frees the handle
+  under the call (issue 26).
 
 `table_at(ts_ms)` routes a record by the entries in force at its timestamp: each entry takes
 effect at its `updated_at` (a tombstone at its record time), so two arms that read the same
@@ -154,6 +157,7 @@ class ArmControlReader:
         self._next_assign = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._close_lock = threading.Lock()  # the consumer is closed once, by one thread
         self.changes = 0  # entries changed since start (the catch-up included)
         # language -> ((effective at, shares or None), ...) in effect order; swapped whole
         self._history: dict[str, tuple[tuple[int, dict[str, float] | None], ...]] = {}
@@ -180,17 +184,34 @@ class ArmControlReader:
         self._thread = threading.Thread(target=self._run, name="tolk-arm-control", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop following the topic. The consumer is closed by the thread that uses it: the
+        reader thread when it leaves its loop, or here when none was started. A reader thread
+        still inside a Kafka call after `timeout_s` (a GIL-starved process, a metadata request
+        waiting on the broker) keeps its consumer until that call returns: closing it from here
+        meanwhile would free the handle under the call (librdkafka: no call may race
+        `close()`; issue 26)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
-        if self._consumer is not None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning(
+                    "arm control reader still in a Kafka call after %.1f s: it closes its "
+                    "consumer when the call returns",
+                    timeout_s,
+                )
+            return  # the thread closed (or will close) the consumer
+        self._close_consumer()
+
+    def _close_consumer(self) -> None:
+        with self._close_lock:
+            consumer, self._consumer = self._consumer, None
+        if consumer is not None:
             try:
-                self._consumer.close()
+                consumer.close()
             except Exception:
                 log.debug("arm control consumer close failed", exc_info=True)
-            self._consumer = None
 
     def table(self) -> ShareTable:
         """The current table (immutable; swapped whole on each change)."""
@@ -235,17 +256,21 @@ class ArmControlReader:
     # -- reading ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._assigned:
-                    if time.monotonic() >= self._next_assign:
-                        self._try_assign()
-                    self._stop.wait(self.poll_timeout_s)
-                    continue
-                self.poll_once(self.poll_timeout_s)
-            except Exception:
-                log.exception("arm control reader (continuing)")
-                self._stop.wait(0.5)
+        """The reader thread: it owns the consumer from `start()` on and closes it itself."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._assigned:
+                        if time.monotonic() >= self._next_assign:
+                            self._try_assign()
+                        self._stop.wait(self.poll_timeout_s)
+                        continue
+                    self.poll_once(self.poll_timeout_s)
+                except Exception:
+                    log.exception("arm control reader (continuing)")
+                    self._stop.wait(0.5)
+        finally:
+            self._close_consumer()
 
     def _try_assign(self) -> None:
         self._next_assign = time.monotonic() + self.retry_assign_s

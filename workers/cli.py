@@ -29,6 +29,17 @@ from workers.tm.cli import app as tm_app  # typer only: faiss and torch load ins
 
 app = typer.Typer(help="tolk: Kafka-native translation inference.", no_args_is_help=True)
 topics_app = typer.Typer(help="Kafka topics.", no_args_is_help=True)
+
+
+@app.callback()
+def _every_command() -> None:
+    # Runs before every subcommand (worker, guard, replay, load, demo, ...): a native crash
+    # (librdkafka, torch) leaves each thread's Python stack on stderr (workers/process_hooks.py).
+    from workers.process_hooks import enable_crash_dumps
+
+    enable_crash_dumps()
+
+
 app.add_typer(topics_app, name="topics")
 arms_app = typer.Typer(help="A/B arms: shares per language (control topic).", no_args_is_help=True)
 app.add_typer(arms_app, name="arms")

@@ -15,6 +15,8 @@ out, so every reply to a request sent afterwards lies at or after the pinned off
 
 confluent-kafka is blocking, so one background thread polls the consumer (and serves the
 producer's delivery reports) and hands results to the event loop with `call_soon_threadsafe`.
+That thread alone uses the consumer once it is started, and closes it when `close()` ends its
+loop (no `close()` may race a `poll()` on one handle).
 
 No request is lost silently, and no `translate()` waits forever (`RequestSender`, in
 `workers.client_delivery`): a full local queue is backed off (then `TranslationQueueFull`); a
@@ -147,6 +149,7 @@ class TranslationClient:
         self._producer: Any = None
         self._consumer: Any = None
         self._thread: threading.Thread | None = None
+        self.close_wait_s = 10.0  # how long close() waits for the poll thread to end
         self._closing = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -212,19 +215,30 @@ class TranslationClient:
             )
 
     async def close(self) -> None:
-        """Stop polling, flush pending requests, fail the futures still waiting."""
+        """Stop polling, flush pending requests, fail the futures still waiting.
+
+        The consumer is closed by the poll thread when it leaves its loop (or here when no poll
+        thread was started): a `close()` from this thread could race a `poll()` or a rebalance
+        callback still running there and free the handle under it (issue 26). A poll thread
+        still busy after `close_wait_s` closes it when its call returns."""
         self._closing.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10.0)
-            self._thread = None
-        if self._producer is not None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.join, self.close_wait_s)
+            if thread.is_alive():
+                log.warning(
+                    "client poll thread still in a Kafka call after %.1f s: it closes the "
+                    "consumer when the call returns",
+                    self.close_wait_s,
+                )
+        if self._producer is not None:  # flush() beside the poll thread's poll(): allowed
             await asyncio.to_thread(self._producer.flush, 5.0)
             self._producer = None
             self._sender.producer = None
-        if self._consumer is not None:
+        consumer, self._consumer = self._consumer, None
+        if thread is None and consumer is not None:  # never handed to a poll thread
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self._consumer.close)
-            self._consumer = None
+                await asyncio.to_thread(consumer.close)
         for rid, fut in list(self._pending.items()):
             if not fut.done():
                 fut.set_exception(TranslationError(f"client closed before the reply to {rid}"))
@@ -262,7 +276,15 @@ class TranslationClient:
                 time.sleep(0.1)
 
     def _poll_loop(self) -> None:
-        consumer, producer = self._consumer, self._producer
+        """The poll thread: it owns the consumer from `start()` on and closes it itself."""
+        consumer = self._consumer
+        try:
+            self._poll_until_closing(consumer, self._producer)
+        finally:
+            with contextlib.suppress(Exception):
+                consumer.close()
+
+    def _poll_until_closing(self, consumer: Any, producer: Any) -> None:
         while not self._closing.is_set():
             try:
                 producer.poll(0)

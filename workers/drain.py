@@ -26,7 +26,11 @@ rate. +Inf is the documented sentinel for "backlog and no progress" (Prometheus 
 
 Split: `partition_lag`, `RateSmoother`, `time_to_drain` and `DrainMonitor.refresh` are pure
 (clock and offset reader injected) and unit-tested; `BrokerOffsetsReader` does the broker reads;
-`DrainMonitor.start()` runs `refresh` on a daemon thread every `interval_s`.
+`DrainMonitor.start()` runs `refresh` on a daemon thread every `interval_s`; that thread owns the
+reader's AdminClient and releases it itself when it stops (`BrokerOffsetsReader.close`), so the
+handle is destroyed while the interpreter lives and never under a call of another thread: left
+to the end of the process, its background thread could deliver an admin result into an
+interpreter being torn down (issue 26).
 """
 
 from __future__ import annotations
@@ -184,22 +188,31 @@ class DrainMonitor:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop refreshing; the thread releases the reader (its AdminClient) as it ends. A
+        refresh still waiting on the broker after `timeout` releases it when it returns."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("time to drain: a refresh still running after %.1f s", timeout)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s if self.estimates else 1.0):
-            try:
-                self.refresh()
-                if self._failing:
-                    log.info("time to drain: broker offsets readable again")
-                self._failing = False
-            except Exception as exc:  # the broker may be down: keep the last values, retry
-                if not self._failing:
-                    log.warning("time to drain: reading offsets failed (retrying): %s", exc)
-                self._failing = True
+        try:
+            while not self._stop.wait(self.interval_s if self.estimates else 1.0):
+                try:
+                    self.refresh()
+                    if self._failing:
+                        log.info("time to drain: broker offsets readable again")
+                    self._failing = False
+                except Exception as exc:  # the broker may be down: keep the last values, retry
+                    if not self._failing:
+                        log.warning("time to drain: reading offsets failed (retrying): %s", exc)
+                    self._failing = True
+        finally:
+            close = getattr(self.read_offsets, "close", None)
+            if callable(close):
+                close()
 
 
 class BrokerOffsetsReader:
@@ -224,13 +237,21 @@ class BrokerOffsetsReader:
         self.group = group
         self.topics = {lang: tuple(names) for lang, names in topics.items()}
         self.timeout_s = timeout_s
-        self._admin = AdminClient(dict(kafka_conf))
+        self._admin: Any = AdminClient(dict(kafka_conf))
+
+    def close(self) -> None:
+        """Destroy the AdminClient now (on the calling thread, the one that used it); a read
+        after this raises."""
+        admin, self._admin = self._admin, None
+        del admin  # the last reference: rd_kafka_destroy joins librdkafka's threads here
 
     def __call__(self) -> dict[str, list[PartitionOffsets]]:
         """One read; a retriable broker error (a group coordinator still loading, a partition
         leader moving) is retried up to `RETRIES` times, 0.2 s apart, before it is raised."""
         from confluent_kafka import KafkaException
 
+        if self._admin is None:
+            raise RuntimeError("offsets reader closed")
         for attempt in range(self.RETRIES + 1):
             try:
                 return self._read()

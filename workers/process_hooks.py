@@ -1,4 +1,14 @@
-"""What a worker process hooks into around its poll loop: stop signals and the metrics endpoint.
+"""What a tolk process hooks into: crash dumps, stop signals and the metrics endpoint.
+
+Crash dumps (`enable_crash_dumps`, called once at the CLI edge, the `tolk` app's callback in
+`workers/cli.py`, so every subcommand gets it: worker, guard, replay, load, demo, ...): a fatal
+signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) in any thread, a Python one or one of
+librdkafka's own (`rdk:main`, `rdk:broker...`, which run no Python), makes `faulthandler` write
+"Fatal Python error: <signal>" and the Python stack of every thread to stderr before the
+process dies (by the same signal: a supervisor still sees the crash). tolk processes log to
+stderr (`logging.basicConfig`), so that is their log: the dump lands between the last log lines.
+A dump already switched on (`PYTHONFAULTHANDLER`, `python -X faulthandler`, pytest) is left as
+it is; a process whose stderr has no file descriptor (embedded) runs without one.
 
 Kept apart from `workers/worker.py` (the loop, intake, dispatch, rebalances, commits) because
 none of it is Kafka logic: SIGTERM/SIGINT set the worker's stop event (the loop then drains,
@@ -10,17 +20,41 @@ registry would have (several workers may share one test process, each with its r
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-__all__ = ["install_stop_signals", "start_metrics_server", "worker_registry"]
+__all__ = [
+    "enable_crash_dumps",
+    "install_stop_signals",
+    "start_metrics_server",
+    "worker_registry",
+]
 
 log = logging.getLogger(__name__)
+
+
+def enable_crash_dumps() -> bool:
+    """Turn `faulthandler` on for every thread, writing to the process's stderr (see the module
+    notes); True when a dump is on (this call's or an earlier one's)."""
+    if faulthandler.is_enabled():
+        return True
+    stream = sys.__stderr__
+    try:
+        if stream is None:
+            return False
+        stream.fileno()
+        faulthandler.enable(file=stream, all_threads=True)
+    except (OSError, ValueError, AttributeError) as exc:  # io.UnsupportedOperation: an OSError
+        log.debug("no crash dumps: stderr has no file descriptor (%s)", exc)
+        return False
+    return True
 
 
 def install_stop_signals(stop: threading.Event) -> Callable[[], None]:

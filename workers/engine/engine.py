@@ -286,8 +286,8 @@ class Engine:
                 time.sleep(0.01)
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        if self._thread is not None:  # the step in progress ends first: a daemon thread still in
+            self._thread.join(timeout=120)  # torch at exit aborts the process (issue 26, soak)
             self._thread = None
 
     def _loop(self, n_threads: int) -> None:
