@@ -14,11 +14,19 @@ fake (meta) implementation, so `torch.compile` graphs call it as one extern kern
 build fails (no toolchain), `load()` returns False once, logs why, and callers use their torch
 reference. `LOADED` is a plain module global so that compiled graphs read it as a constant.
 This module is a leaf: it imports torch only.
+
+A build killed halfway (a worker SIGKILLed while compiling, a test timeout) leaves torch's
+build marker, the file `lock` in the build directory, behind; torch then waits for it to go
+forever, and every later start on the host hangs without a word. So the build runs under an
+`flock` of our own (`build.flock` beside it, released by the kernel when its holder dies): a
+`lock` found while holding that flock belongs to a dead build and is removed with a warning.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -28,6 +36,9 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+EXTENSION_NAME = "tolk_cpu_kernels"
+TORCH_BATON = "lock"  # torch.utils.file_baton's marker in the build directory
+FLOCK_NAME = "build.flock"
 LOADED = False
 _lock = threading.Lock()
 _tried = False
@@ -44,20 +55,48 @@ def load() -> bool:
         try:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(
-                name="tolk_cpu_kernels",
-                sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            build_dir = Path(cpp_extension._get_build_directory(EXTENSION_NAME, False))
+            with BuildFlock(build_dir):
+                cpp_extension.load(
+                    name=EXTENSION_NAME,
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                    build_directory=str(build_dir),
+                )
             _register_fakes()
             LOADED = True
         except Exception as exc:  # no compiler, no ninja, unsupported platform
             _error = f"{type(exc).__name__}: {exc}"
             log.warning("tolk C++ CPU ops unavailable, using the torch references: %s", exc)
         return LOADED
+
+
+class BuildFlock:
+    """Hold `build_dir/build.flock` exclusively; clear a dead build's torch marker under it."""
+
+    def __init__(self, build_dir: Path) -> None:
+        self.build_dir = build_dir
+        self._fd: int | None = None
+
+    def __enter__(self) -> BuildFlock:
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.build_dir / FLOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits for a live build of another process
+        self._fd = fd
+        baton = self.build_dir / TORCH_BATON
+        if baton.exists():  # every live builder holds the flock: this one's builder is dead
+            log.warning("removing %s left by a build that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def error() -> str | None:
