@@ -146,7 +146,9 @@ def worker(
     compile_decode: Annotated[
         bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
     ] = False,
-    log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
+    log_level: Annotated[
+        str, typer.Option(help="debug|info|warning|error|critical (warn, crit: the same)")
+    ] = "info",
     arm: Annotated[
         str | None,
         typer.Option(help="Serve as this A/B arm: own group, shares from `tolk arms`."),
@@ -205,9 +207,13 @@ def worker(
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
     import logging
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from workers.log_levels import parse_log_level
+
+    try:
+        level = parse_log_level(log_level)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from workers.faithful_engine import POLICIES
 
     if faithful_policy not in POLICIES:

@@ -199,7 +199,9 @@ def guard(
     metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off).")] = 9401,
     datadir: Annotated[str, typer.Option(help="Faust's local state directory.")] = ".tolk-guard",
     bootstrap: BootstrapOpt = None,
-    log_level: Annotated[str, typer.Option(help="crit|error|warn|info|debug")] = "info",
+    log_level: Annotated[
+        str, typer.Option(help="debug|info|warning|error|critical (warn, crit: the same)")
+    ] = "info",
 ) -> None:
     """Run the canary guard: count replies per window, roll back or promote canaries."""
     import logging
@@ -207,11 +209,13 @@ def guard(
     from topics.catalog import replies_topic as default_replies
     from workers.guard.app import GuardConfig, run_guard
     from workers.guard.policy import GuardPolicy
+    from workers.log_levels import parse_log_level
 
-    logging.basicConfig(
-        level=log_level.upper().replace("CRIT", "CRITICAL").replace("WARN", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        level = parse_log_level(log_level)  # one name that logging and faust both know
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
     config = GuardConfig(
         bootstrap=settings.bootstrap,
@@ -234,4 +238,4 @@ def guard(
         grace_s=grace_s,
         datadir=datadir,
     )
-    run_guard(config, metrics_port=metrics_port, loglevel=log_level)
+    run_guard(config, metrics_port=metrics_port, loglevel=level.lower())
