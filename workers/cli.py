@@ -254,42 +254,26 @@ def worker(
         policies,
         burst_tokens=settings.burst_tokens,
     )
-    from workers.engine.types import TranslationEngine
+    from workers.engine_chain import ChainOptions, compose_served
 
-    served: TranslationEngine = engine
-    if retriever is not None:  # innermost: it builds the engine's requests with the examples
-        from workers.tm_engine import RetrievedExamplesEngine
-
-        served = RetrievedExamplesEngine(engine, retriever)
-    if faithful_checks:  # issue #18 (workers/faithful_engine.py): next, its retry needs
-        from workers.faithful_engine import faithful  # the engine's prompt forms
-
-        max_new = max((p.max_new_tokens for p in policies.values()), default=256)
-        served = faithful(served, policy=faithful_policy, default_max_new_tokens=max_new)
-    if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
-        from workers.protected_engine import protect_spans as with_protected_spans
-
-        served = with_protected_spans(served)
-    uncached = served  # what a contextual turn goes through: everything but the cache
-    if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
-        from workers.cache_engine import with_translation_cache
-
-        served = with_translation_cache(served, settings, variant=f"quantize={quantize or ''}")
-    if drill_inject_latency or drill_inject_errors:  # outermost: every reply of the arm
-        from workers.drill_engine import with_drills
-
-        served = with_drills(served, drill_inject_latency or (), drill_inject_errors or ())
-    if context:  # issue #15 (workers/context_engine.py): outermost, the worker hands it the
-        from workers.context_engine import with_conversation_context  # conversation id
-
-        served = with_conversation_context(
-            served,
-            base=engine.engine,
-            uncached=uncached,
-            budget_tokens=settings.context_tokens,
-            idle_s=settings.context_idle_s,
-            layout=settings.context_layout,
-        )
+    # the wrappers' order (which one sees which request) is workers/engine_chain.py's
+    served = compose_served(
+        engine,
+        engine.engine,
+        settings,
+        ChainOptions(
+            retriever=retriever,
+            faithful=faithful_checks,
+            faithful_policy=faithful_policy,
+            max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
+            protect_spans=protect_spans,
+            cache=settings.cache_enabled if cache is None else cache,
+            cache_variant=f"quantize={quantize or ''}",
+            drill_latency=tuple(drill_inject_latency or ()),
+            drill_errors=tuple(drill_inject_errors or ()),
+            context=context,
+        ),
+    )
     runner = Worker(settings, served)
     from confluent_kafka import KafkaException
 
