@@ -107,6 +107,20 @@ def _check_broker_or_exit(settings: Any) -> None:
         raise typer.Exit(1) from None
 
 
+def _check_ports_or_exit(settings: Any) -> None:
+    """Refuse (exit 2) before the model loads when a port given explicitly is taken: a second
+    worker on the host must not run without probes or metrics (workers/ports.py)."""
+    from workers.ports import in_use_message, port_in_use
+
+    for port, what, setting in (
+        (settings.health_port, "health probes (/readyz, /livez)", "TOLK_HEALTH_PORT"),
+        (settings.metrics_port, "metrics (/metrics)", "TOLK_METRICS_PORT / --metrics-port"),
+    ):
+        if port is not None and port > 0 and port_in_use(port):
+            typer.echo(f"error: {in_use_message(what, port, setting)}", err=True)
+            raise typer.Exit(2)
+
+
 @topics_app.command("create")
 def topics_create(
     languages: LanguagesOpt = None,
@@ -138,7 +152,13 @@ def worker(
     model: Annotated[str | None, typer.Option(help="Model preset, .gguf or HF directory.")] = None,
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off).")] = None,
+    metrics_port: Annotated[
+        str | None,
+        typer.Option(
+            help="Prometheus port: a number (taken: exit 2), auto (a free one, logged), 0 = off; "
+            "default TOLK_METRICS_PORT, else 9400 or a free one (workers/ports.py).",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     quantize: Annotated[
         str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
@@ -218,10 +238,17 @@ def worker(
 
     if faithful_policy not in POLICIES:
         raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--faithful-policy")
+    from workers.ports import parse_port
+
+    try:
+        port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
     settings = _settings(
-        model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port, arm=arm
+        model=model, languages=languages, bootstrap=bootstrap, metrics_port=port, arm=arm
     )
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
+    _check_ports_or_exit(settings)  # before the model loads, as is the broker check
     _check_broker_or_exit(settings)
     retriever = None
     if tm_examples > 0:  # issue #15 (workers/tm_engine.py): a bad TM refuses before the model
@@ -277,8 +304,13 @@ def worker(
     runner = Worker(settings, served)
     from confluent_kafka import KafkaException
 
+    from workers.ports import PortUnavailable
+
     try:
         runner.run()
+    except PortUnavailable as exc:  # taken since the check above
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
         typer.echo(f"error: fatal Kafka error, worker stopped: {exc}", err=True)
         raise typer.Exit(1) from None

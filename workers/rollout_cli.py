@@ -196,7 +196,13 @@ def guard(
     ] = 250.0,
     app_id: Annotated[str, typer.Option(help="Faust app id (group, changelog).")] = "tolk-guard",
     replies_topic: Annotated[str | None, typer.Option(help="Default: the catalog's.")] = None,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off).")] = 9401,
+    metrics_port: Annotated[
+        str | None,
+        typer.Option(
+            help="Prometheus port: a number (taken: exit 2), auto (a free one, logged), 0 = off; "
+            "default 9401, or a free one when that is taken (workers/ports.py).",
+        ),
+    ] = None,
     datadir: Annotated[str, typer.Option(help="Faust's local state directory.")] = ".tolk-guard",
     bootstrap: BootstrapOpt = None,
     log_level: Annotated[
@@ -210,11 +216,16 @@ def guard(
     from workers.guard.app import GuardConfig, run_guard
     from workers.guard.policy import GuardPolicy
     from workers.log_levels import parse_log_level
+    from workers.ports import PortUnavailable, parse_port
 
     try:
         level = parse_log_level(log_level)  # one name that logging and faust both know
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    try:
+        port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
     config = GuardConfig(
@@ -238,4 +249,8 @@ def guard(
         grace_s=grace_s,
         datadir=datadir,
     )
-    run_guard(config, metrics_port=metrics_port, loglevel=level.lower())
+    try:
+        run_guard(config, metrics_port=port, loglevel=level.lower())
+    except PortUnavailable as exc:  # another guard (or worker) on this host holds it
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

@@ -383,15 +383,23 @@ def restore_lost_shares(config: GuardConfig, book: RolloutBook, writer: Any) -> 
     return written
 
 
-def run_guard(config: GuardConfig, *, metrics_port: int = 0, loglevel: str = "info") -> None:
-    """Start the guard and run until SIGTERM / Ctrl-C (faust's worker)."""
+def run_guard(config: GuardConfig, *, metrics_port: int | None = 0, loglevel: str = "info") -> None:
+    """Start the guard and run until SIGTERM / Ctrl-C (faust's worker). `metrics_port`: a
+    port setting (workers/ports.py: a number, taken -> `PortUnavailable` before anything
+    starts; AUTO_PORT; None = 9401 or a free one; 0 = off)."""
     import faust
 
-    metrics = GuardMetrics()
-    if metrics_port:
-        from prometheus_client import start_http_server
+    from workers.ports import DEFAULT_GUARD_METRICS_PORT
+    from workers.process_hooks import start_metrics_server
 
-        start_http_server(metrics_port, registry=metrics.registry)
+    metrics = GuardMetrics()
+    start_metrics_server(
+        metrics_port,
+        metrics.registry,
+        default=DEFAULT_GUARD_METRICS_PORT,
+        what="guard metrics (/metrics)",
+        setting="tolk guard --metrics-port",
+    )
     writer = EventWriter(config.kafka_config, config.events_topic, config.control_topic)
     book = load_book(config.kafka_config, config.events_topic)
     for lang, state in sorted(book.active().items()):
