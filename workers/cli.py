@@ -286,7 +286,7 @@ def worker(
     # the wrappers' order (which one sees which request) is workers/engine_chain.py's
     served = compose_served(
         engine,
-        engine.engine,
+        engine.engine if context else None,  # the prompt builder, for the context engine
         settings,
         ChainOptions(
             retriever=retriever,

@@ -54,8 +54,11 @@ def compose_served(
     engine: TranslationEngine, base: Any, settings: Any, options: ChainOptions
 ) -> TranslationEngine:
     """`engine` (the fair engine) in the wrappers `options` turns on, in the order of the
-    module notes; `base`: the engine that builds the prompts (the context engine's hook);
-    `settings`: `workers.settings.Settings` (cache and context parameters)."""
+    module notes; `base`: the engine that builds the prompts (the context engine's hook; only
+    needed with `options.context`); `settings`: `workers.settings.Settings` (cache and context
+    parameters)."""
+    if options.context and base is None:
+        raise ValueError("conversation context needs the base engine that builds the prompts")
     served = engine
     if options.retriever is not None:
         from workers.tm_engine import RetrievedExamplesEngine
