@@ -181,6 +181,9 @@ def rollout_status(
             typer.echo(f"  last decision: {last['action']} ({'; '.join(last['reasons'])})")
 
 
+WHAT, SETTING = "guard metrics (/metrics)", "tolk guard --metrics-port"  # in messages
+
+
 def guard(
     window_s: Annotated[float, typer.Option(help="Tumbling window length, seconds.")] = 30.0,
     min_requests: Annotated[int, typer.Option(help="Canary replies for a verdict.")] = 10,
@@ -228,6 +231,23 @@ def guard(
         raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
+    from workers.guard.broker_auth import GuardSecurityError, faust_credentials
+    from workers.kafka_config import KafkaConnectionError, check_broker
+    from workers.ports import in_use_message, port_in_use
+
+    if port is not None and port > 0 and port_in_use(port):  # before reaching the broker
+        typer.echo(f"error: {in_use_message(WHAT, port, SETTING)}", err=True)
+        raise typer.Exit(2)
+    try:  # the faust consumer must speak the deployment's security, or no start
+        faust_credentials(settings.kafka_common())
+    except GuardSecurityError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:  # as `tolk worker`: a protocol mismatch, a failed login, an unknown CA, said at once
+        check_broker(settings.kafka_common())
+    except KafkaConnectionError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     config = GuardConfig(
         bootstrap=settings.bootstrap,
         kafka_config=settings.kafka_common(),
@@ -250,7 +270,7 @@ def guard(
         datadir=datadir,
     )
     try:
-        run_guard(config, metrics_port=port, loglevel=level.lower())
+        run_guard(config, metrics_port=port, loglevel=level.lower(), what=WHAT, setting=SETTING)
     except PortUnavailable as exc:  # another guard (or worker) on this host holds it
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -82,10 +82,11 @@ def test_guard_log_level_sets_the_root_level_and_faust_understands_it(
 
     seen: dict[str, Any] = {}
 
-    def fake_run_guard(config: Any, *, metrics_port: int = 0, loglevel: str = "info") -> None:
+    def fake_run_guard(config: Any, *, loglevel: str = "info", **kw: Any) -> None:
         seen["loglevel"] = loglevel
 
     monkeypatch.setattr(guard_app, "run_guard", fake_run_guard)
+    monkeypatch.setattr("workers.kafka_config.check_broker", lambda conf: None)
     out, level = invoke(["guard", "--log-level", typed, "--metrics-port", "0"])
     assert out.exit_code == 0, (out.output, out.exception)
     assert level == number
