@@ -11,7 +11,9 @@ The replay job (`tolk replay run`, in its own process) sends the dialogues'
 turns (both directions: customers de->en, agents en->de) open loop at `--rate`, in log order,
 and collects the replies; then it does the same again (the same turns, new request ids).
 
-Per pass and target language: how the cache answered each request (the reply's
+Per pass and direction (`source->target`, e.g. `de->en` for the customers' turns; grouping
+by target language alone once had the two directions' figures reported under each other's
+name): how the cache answered each request (the reply's
 `tolk.cache` metadata: l1, l2, joined = shared an identical request's run, miss = ran the
 engine), the hit rate (l1 + l2 over all), and for the hits the latency on the worker side from
 the reply's own timings: `total_ms` (the record's broker timestamp -> the reply produced; so it
@@ -159,8 +161,8 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def pass_figures(replies: Sequence[JSON]) -> JSON:
-    """How the cache answered, per target language and in all, and the hits' latency."""
-    by_lang: dict[str, Counter[str]] = {}
+    """How the cache answered, per direction (`"de->en"`) and in all, and the hits' latency."""
+    by_direction: dict[str, Counter[str]] = {}
     hits_total: list[float] = []
     hits_in_worker: list[float] = []
     hits_queue: list[float] = []
@@ -168,9 +170,9 @@ def pass_figures(replies: Sequence[JSON]) -> JSON:
     not_cacheable: Counter[str] = Counter()  # why a miss left nothing in the cache
     for r in replies:
         statuses[str(r["status"])] += 1
-        lang = str(r["target_lang"])
+        direction = f"{r['source_lang']}->{r['target_lang']}"
         how = str((r.get("metadata") or {}).get("tolk.cache", "none"))
-        by_lang.setdefault(lang, Counter())[how] += 1
+        by_direction.setdefault(direction, Counter())[how] += 1
         meta = r.get("metadata") or {}
         if r["status"] != "OK":
             not_cacheable[f"status_{r['status']}"] += 1
@@ -193,13 +195,13 @@ def pass_figures(replies: Sequence[JSON]) -> JSON:
         }
 
     overall: Counter[str] = Counter()
-    for counts in by_lang.values():
+    for counts in by_direction.values():
         overall.update(counts)
     return {
         "statuses": dict(statuses),
         "not_cacheable": dict(not_cacheable),
         "all": rates(overall),
-        "per_language": {lang: rates(c) for lang, c in sorted(by_lang.items())},
+        "per_direction": {d: rates(c) for d, c in sorted(by_direction.items())},
         "hit_total_ms": {"p50": percentile(hits_total, 50), "p99": percentile(hits_total, 99)},
         "hit_in_worker_ms": {
             "p50": percentile(hits_in_worker, 50),
@@ -355,8 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "hit_total_p99_ms": second["hit_total_ms"]["p99"],
             "hit_in_worker_p99_ok": _below(second["hit_in_worker_ms"]["p99"], 5.0),
             "hit_total_p99_ok": _below(second["hit_total_ms"]["p99"], 5.0),
-            "first_pass_hit_rate_per_language": {
-                lang: f["hit_rate"] for lang, f in passes[0]["per_language"].items()
+            "first_pass_hit_rate_per_direction": {
+                d: f["hit_rate"] for d, f in passes[0]["per_direction"].items()
             },
         }
     finally:

@@ -9,11 +9,14 @@ Two ways to spend the same CPUs, measured in one run (the anchor is the single w
   CPUs (`taskset`) with a pool of that many threads.
 
 Per configuration: fresh topics (4 partitions per language) under a fresh prefix, the workers
-started and given time to settle their assignment (every worker logged `assigned` and 5 s
-passed), then a backlog of `--requests` real support turns (workers/data/support_sample.jsonl,
-both directions, unique request ids) produced at once; throughput is requests / (last reply -
-first send). The translation cache is off (`TOLK_CACHE=0`): every request runs the model, with
-the same output cap (`--max-new-tokens`) and weight for both languages.
+started with `TOLK_HEALTH_PORT=auto` and `--metrics-port auto` (two workers on one host cannot
+share the default ports; each picks free ones and logs them, `workers/ports.py`), then given
+time to settle their assignment (every worker logged `assigned`, answered 200 on its
+`/readyz`, and 5 s passed), then a backlog of `--requests` real support turns
+(workers/data/support_sample.jsonl, both directions, unique request ids) produced at once;
+throughput is requests / (last reply - first send). The translation cache is off
+(`TOLK_CACHE=0`): every request runs the model, with the same output cap
+(`--max-new-tokens`) and weight for both languages.
 Needs the local stack (`bash compose/stack.sh up`). JSON on stdout (and `--out`).
 """
 
@@ -22,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,26 +72,53 @@ def _start_workers(
             "TOLK_CACHE": "0",
             # weight 1, SLO 60 s, queue 1024, output cap: equal languages, nothing expires
             "TOLK_POLICIES": ",".join(f"{lang}:1:60:1024:{args.max_new_tokens}" for lang in LANGS),
-            "TOLK_HEALTH_PORT": "0",
+            "TOLK_HEALTH_PORT": "auto",  # each worker its own free port, logged
             "PYTHONUNBUFFERED": "1",
         }
         log = logs / f"worker-{len(cpus)}-{k}.log"
         cmd = ["taskset", "-c", cpu_list, sys.executable, "-m", "workers.cli", "worker"]
-        cmd += ["--model", args.model, "--metrics-port", "0"]
+        cmd += ["--model", args.model, "--metrics-port", "auto"]
         with log.open("wb") as out:
             procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stderr=out, stdout=out), log))
     return procs
 
 
-def _wait_assigned(procs: list[tuple[subprocess.Popen[bytes], Path]], timeout: float) -> None:
+PORT_LINES = {  # what workers/ports.py logs for `auto`
+    "health": re.compile(r"health probes \(/readyz, /livez\) on port (\d+)"),
+    "metrics": re.compile(r"metrics \(/metrics\) on port (\d+)"),
+}
+
+
+def logged_ports(text: str) -> dict[str, int]:
+    """The probe and metrics ports a worker's log says it serves on."""
+    found = {what: pattern.search(text) for what, pattern in PORT_LINES.items()}
+    return {what: int(m.group(1)) for what, m in found.items() if m is not None}
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def _wait_assigned(
+    procs: list[tuple[subprocess.Popen[bytes], Path]], timeout: float
+) -> list[dict[str, int]]:
+    """Wait until every worker is assigned and ready; their ports (health, metrics)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         for proc, log in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker exited {proc.returncode}; see {log}")
-        if all("assigned [" in log.read_text(errors="replace") for _, log in procs):
+        texts = [log.read_text(errors="replace") for _, log in procs]
+        ports = [logged_ports(t) for t in texts]
+        if all("assigned [" in t for t in texts) and all(
+            "health" in p and _ready(p["health"]) for p in ports
+        ):
             time.sleep(5.0)  # the group settles (a second member joins after the first)
-            return
+            return ports
         time.sleep(0.5)
     raise RuntimeError(
         f"workers not assigned within {timeout:.0f} s; see {[str(p[1]) for p in procs]}"
@@ -110,7 +142,7 @@ def _measure(args: argparse.Namespace, cpus: Sequence[str], logs: Path) -> JSON:
     consumer.assign([TopicPartition(reply_topic, p, 0) for p in sorted(parts)])
     procs = _start_workers(cpus, args, prefix, group, logs)
     try:
-        _wait_assigned(procs, args.start_timeout_s)
+        ports = _wait_assigned(procs, args.start_timeout_s)
         producer = Producer({"bootstrap.servers": args.bootstrap, "linger.ms": 5})
         rids = set()
         start = time.time()
@@ -157,6 +189,7 @@ def _measure(args: argparse.Namespace, cpus: Sequence[str], logs: Path) -> JSON:
             "requests_per_s": round(len(seen) / elapsed, 3) if elapsed > 0 else None,
             "tokens_out": sum(int(r["tokens_out"]) for r in seen.values()),
             "replies_by_worker": by_worker,
+            "worker_ports": ports,  # each worker's own probe and metrics ports (auto)
         }
     finally:
         for proc, _ in procs:

@@ -8,9 +8,19 @@ line must still replay. The formats:
 - `bcontrast`: the BConTrasT dialogues of the repository's `data/bcontrast_wmt20_chat`
   (one JSON object: conversation id -> turns with `utteranceID`, `speaker`, `source`,
   `target`); customers write German, agents English; the reference is `target`.
-- `wmt-csv`: a WMT-chat-style CSV with a header row and the columns `doc_id`,
-  `source_language`, `target_language`, `source_segment`, `reference`, `sender` (optional
-  `turn` and `timestamp`); rows of one `doc_id` are one conversation, in file order.
+- `wmt-csv`: the CSV files of the WMT chat translation shared tasks, read by column name (any
+  order, extra columns ignored): `doc_id`, `source_language`, `target_language`, the text to
+  translate, and optionally its reference, the sender, `turn` and `timestamp`; rows of one
+  `doc_id` are one conversation, in file order. The tasks name the same columns differently
+  (`CSV_COLUMN_NAMES`): WMT 2022 (Unbabel's MAIA corpus, github.com/WMT-Chat-task/
+  data-and-baselines) has `source_segment`, `pe_segment` (the post-edited reference) and
+  `translation_direction` (customer | agent), in the order `doc_id, source_language,
+  target_language, source_segment, pe_segment, translation_direction`, except its en-fr file,
+  which has `translation_direction` before `pe_segment`, and its test files without references
+  have no `pe_segment`; WMT 2024 (WMT-Chat-task/chat-task-2024-data) has `source_language,
+  target_language, source, reference, doc_id, client_id, sender, tags` (no `reference` in its
+  test files); the names this reader took first (`source_segment`, `reference`, `sender`) are
+  kept. WMT 2020's data is BConTrasT (`bcontrast`); WMT 2021 and 2023 had no chat task.
 - `jsonl`: one JSON object per line (docs/REPLAY.md): `conversation_id`, `turn` and/or
   `timestamp` (epoch milliseconds or ISO 8601), `source_lang`, `target_lang`, `text`, optional
   `reference`, `intent`, `sender`. In a conversation either every row has a `turn`, or the
@@ -37,14 +47,18 @@ LogFormat = Literal["bcontrast", "wmt-csv", "jsonl"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("bcontrast", "wmt-csv", "jsonl")
 # The languages the service knows (the workers' default set); a row in another is a problem.
 KNOWN_LANGUAGES: frozenset[str] = frozenset({"en", "de", "fr", "es", "it"})
-CSV_COLUMNS = (
-    "doc_id",
-    "source_language",
-    "target_language",
-    "source_segment",
-    "reference",
-    "sender",
-)
+# A wmt-csv field -> the header names that give it, the first present wins (module notes).
+CSV_COLUMN_NAMES: dict[str, tuple[str, ...]] = {
+    "doc_id": ("doc_id",),
+    "source_language": ("source_language",),
+    "target_language": ("target_language",),
+    "text": ("source_segment", "source"),
+    "reference": ("reference", "pe_segment"),
+    "sender": ("sender", "translation_direction"),
+    "turn": ("turn",),
+    "timestamp": ("timestamp",),
+}
+CSV_REQUIRED = ("doc_id", "source_language", "target_language", "text")
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -188,9 +202,21 @@ def read_bcontrast(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iter
             yield checker.check(record)
 
 
+def csv_columns(header: Iterable[str]) -> dict[str, str]:
+    """wmt-csv field -> the header column that gives it (`CSV_COLUMN_NAMES`; names compared
+    without surrounding spaces), for the fields the header has."""
+    present = {name.strip(): name for name in header if name is not None}
+    out = {}
+    for field_name, names in CSV_COLUMN_NAMES.items():
+        found = next((present[n] for n in names if n in present), None)
+        if found is not None:
+            out[field_name] = found
+    return out
+
+
 def read_wmt_csv(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
-    """The WMT-chat-style CSV (header row); turns numbered per doc_id in file order unless a
-    `turn` column says otherwise."""
+    """A WMT chat shared task CSV (header row, columns by name: module notes); turns numbered
+    per doc_id in file order unless a `turn` column says otherwise."""
     bad_lines: list[Problem] = []
 
     def good_lines() -> Iterator[str]:
@@ -199,14 +225,20 @@ def read_wmt_csv(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterat
                 bad_lines.append(Problem(f"{path.name}:{number}", "bad encoding: not UTF-8"))
                 yield "\n"  # keeps csv's line count; an empty line is no row
             else:
-                yield line
+                yield line.removeprefix("\ufeff") if number == 1 else line  # a BOM: no name
 
     reader = csv.DictReader(good_lines())
-    missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+    columns = csv_columns(reader.fieldnames or [])
+    missing = [" or ".join(CSV_COLUMN_NAMES[f]) for f in CSV_REQUIRED if f not in columns]
     if missing:
         yield from bad_lines
-        yield Problem(f"{path.name}:1", f"header lacks the columns {', '.join(missing)}")
+        yield Problem(f"{path.name}:1", f"header lacks the columns {'; '.join(missing)}")
         return
+
+    def field(values: dict[str, str | None], name: str) -> str:
+        column = columns.get(name)
+        return (values.get(column) or "") if column is not None else ""
+
     checker = _Checker(known)
     next_turn: dict[str, int] = {}
     for values in reader:
@@ -214,21 +246,21 @@ def read_wmt_csv(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterat
         bad_lines.clear()
         row = f"{path.name}:{reader.line_num}"
         try:
-            doc = (values["doc_id"] or "").strip()
+            doc = field(values, "doc_id").strip()
             if not doc:
                 raise ValueError("empty doc_id")
-            turn_text = (values.get("turn") or "").strip()
+            turn_text = field(values, "turn").strip()
             turn = int(turn_text) if turn_text else next_turn.get(doc, 0)
-            stamp = (values.get("timestamp") or "").strip()
+            stamp = field(values, "timestamp").strip()
             record = ReplayRecord(
                 conversation_id=doc,
                 turn=turn,
-                source_lang=(values["source_language"] or "").strip(),
-                target_lang=(values["target_language"] or "").strip(),
-                text=values["source_segment"] or "",
-                reference=values["reference"] or None,
+                source_lang=field(values, "source_language").strip(),
+                target_lang=field(values, "target_language").strip(),
+                text=field(values, "text"),
+                reference=field(values, "reference") or None,
                 timestamp_ms=parse_timestamp_ms(stamp) if stamp else None,
-                sender=(values["sender"] or "").strip() or None,
+                sender=field(values, "sender").strip() or None,
                 row=row,
             )
         except (TypeError, ValueError) as exc:

@@ -118,6 +118,20 @@ def _check_broker_or_exit(settings: Any) -> None:
         raise typer.Exit(1) from None
 
 
+def _check_ports_or_exit(settings: Any) -> None:
+    """Refuse (exit 2) before the model loads when a port given explicitly is taken: a second
+    worker on the host must not run without probes or metrics (workers/ports.py)."""
+    from workers.ports import in_use_message, port_in_use
+
+    for port, what, setting in (
+        (settings.health_port, "health probes (/readyz, /livez)", "TOLK_HEALTH_PORT"),
+        (settings.metrics_port, "metrics (/metrics)", "TOLK_METRICS_PORT / --metrics-port"),
+    ):
+        if port is not None and port > 0 and port_in_use(port):
+            typer.echo(f"error: {in_use_message(what, port, setting)}", err=True)
+            raise typer.Exit(2)
+
+
 @topics_app.command("create")
 def topics_create(
     languages: LanguagesOpt = None,
@@ -149,7 +163,13 @@ def worker(
     model: Annotated[str | None, typer.Option(help="Model preset, .gguf or HF directory.")] = None,
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off).")] = None,
+    metrics_port: Annotated[
+        str | None,
+        typer.Option(
+            help="Prometheus port: a number (taken: exit 2), auto (a free one, logged), 0 = off; "
+            "default TOLK_METRICS_PORT, else 9400 or a free one (workers/ports.py).",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     quantize: Annotated[
         str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
@@ -157,7 +177,9 @@ def worker(
     compile_decode: Annotated[
         bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
     ] = False,
-    log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
+    log_level: Annotated[
+        str, typer.Option(help="debug|info|warning|error|critical (warn, crit: the same)")
+    ] = "info",
     arm: Annotated[
         str | None,
         typer.Option(help="Serve as this A/B arm: own group, shares from `tolk arms`."),
@@ -216,17 +238,28 @@ def worker(
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
     import logging
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from workers.log_levels import parse_log_level
+
+    try:
+        level = parse_log_level(log_level)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from workers.faithful_engine import POLICIES
 
     if faithful_policy not in POLICIES:
         raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--faithful-policy")
+    from workers.ports import parse_port
+
+    try:
+        port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
     settings = _settings(
-        model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port, arm=arm
+        model=model, languages=languages, bootstrap=bootstrap, metrics_port=port, arm=arm
     )
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
+    _check_ports_or_exit(settings)  # before the model loads, as is the broker check
     _check_broker_or_exit(settings)
     retriever = None
     if tm_examples > 0:  # issue #15 (workers/tm_engine.py): a bad TM refuses before the model
@@ -259,47 +292,36 @@ def worker(
         policies,
         burst_tokens=settings.burst_tokens,
     )
-    from workers.engine.types import TranslationEngine
+    from workers.engine_chain import ChainOptions, compose_served
 
-    served: TranslationEngine = engine
-    if retriever is not None:  # innermost: it builds the engine's requests with the examples
-        from workers.tm_engine import RetrievedExamplesEngine
-
-        served = RetrievedExamplesEngine(engine, retriever)
-    if faithful_checks:  # issue #18 (workers/faithful_engine.py): next, its retry needs
-        from workers.faithful_engine import faithful  # the engine's prompt forms
-
-        max_new = max((p.max_new_tokens for p in policies.values()), default=256)
-        served = faithful(served, policy=faithful_policy, default_max_new_tokens=max_new)
-    if protect_spans:  # the first A/B treatment (workers/protected_engine.py)
-        from workers.protected_engine import protect_spans as with_protected_spans
-
-        served = with_protected_spans(served)
-    uncached = served  # what a contextual turn goes through: everything but the cache
-    if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
-        from workers.cache_engine import with_translation_cache
-
-        served = with_translation_cache(served, settings, variant=f"quantize={quantize or ''}")
-    if drill_inject_latency or drill_inject_errors:  # outermost: every reply of the arm
-        from workers.drill_engine import with_drills
-
-        served = with_drills(served, drill_inject_latency or (), drill_inject_errors or ())
-    if context:  # issue #15 (workers/context_engine.py): outermost, the worker hands it the
-        from workers.context_engine import with_conversation_context  # conversation id
-
-        served = with_conversation_context(
-            served,
-            base=engine.engine,
-            uncached=uncached,
-            budget_tokens=settings.context_tokens,
-            idle_s=settings.context_idle_s,
-            layout=settings.context_layout,
-        )
+    # the wrappers' order (which one sees which request) is workers/engine_chain.py's
+    served = compose_served(
+        engine,
+        engine.engine if context else None,  # the prompt builder, for the context engine
+        settings,
+        ChainOptions(
+            retriever=retriever,
+            faithful=faithful_checks,
+            faithful_policy=faithful_policy,
+            max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
+            protect_spans=protect_spans,
+            cache=settings.cache_enabled if cache is None else cache,
+            cache_variant=f"quantize={quantize or ''}",
+            drill_latency=tuple(drill_inject_latency or ()),
+            drill_errors=tuple(drill_inject_errors or ()),
+            context=context,
+        ),
+    )
     runner = Worker(settings, served)
     from confluent_kafka import KafkaException
 
+    from workers.ports import PortUnavailable
+
     try:
         runner.run()
+    except PortUnavailable as exc:  # taken since the check above
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
         typer.echo(f"error: fatal Kafka error, worker stopped: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -2,7 +2,8 @@
 prompt (issue #15, part 3; an arm option, off by default: `tolk worker --context`).
 
 The history itself, its token budget and the growing-prefix layout are `workers/context.py`;
-this wrapper puts them on the request path. It is the outermost wrapper, because it acts on
+this wrapper puts them on the request path. It wraps every other wrapper but a drill
+(`workers/engine_chain.py`, the drill must change every reply of its arm), because it acts on
 the request's `conversation_id` (which the worker passes to every engine: the protocol's
 `submit_translation` takes it) and because it decides which requests may see the cache:
 

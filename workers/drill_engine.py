@@ -5,9 +5,11 @@ An arm option that is off unless a flag whose name says what it does is given:
     tolk worker --arm v2 --drill-inject-latency de:1.0:3000   # every German reply 3 s later
     tolk worker --arm v2 --drill-inject-errors fr:0.2          # a fifth of French runs fail
 
-It wraps the engine the worker gets (the pattern of `workers/protected_engine.py`). A request
-of a drilled language is hit when its bucket (`workers.arms.bucket` of the request id, so the
-same request is hit on every run and every redelivery) is below the fraction. A latency hit
+It wraps the engine the worker gets (the pattern of `workers/protected_engine.py`), outermost:
+around the cache and the context engine (`workers/engine_chain.py`), so a cache hit and a turn
+with history are drilled like any other reply of the arm. A request of a drilled language is
+hit when its bucket (`workers.arms.bucket` of the request id, so the same request is hit on
+every run and every redelivery) is below the fraction. A latency hit
 holds the finished result for the given milliseconds before handing it over (on a timer thread,
 so the engine keeps stepping): the reply's latency grows by that much and an OK past the
 deadline goes out EXPIRED, as with a slow model. An error hit turns the result into an ERROR

@@ -18,9 +18,11 @@ pod counts as available during a rollout (readiness) and when to restart a wedge
 Engines are wrapped (`FairEngine.engine`, the `.inner` of the protected-span, faithfulness and
 cache wrappers), so the engine's attributes are looked up down that chain
 (`engine_attribute`); an engine that reports no heartbeat or warm-up (a test fake) is taken
-as live and warm. Before `Worker.run` starts the server (while the CLI loads the model and warms
-the prefixes) nothing listens: a probe's connection is refused, which Kubernetes counts as a
-failure; the Deployment's startupProbe (deploy/k8s/worker/deployment.yaml) covers that time.
+as live and warm. The port is `TOLK_HEALTH_PORT` (workers/ports.py: a number is that port or
+no start, `auto` a free one, unset 8081 or else a free one with a warning, 0 none). Before
+`Worker.run` starts the server (while the CLI loads the model and warms the prefixes) nothing
+listens: a probe's connection is refused, which Kubernetes counts as a failure; the
+Deployment's startupProbe (deploy/k8s/worker/deployment.yaml) covers that time.
 
 The server is a stdlib `ThreadingHTTPServer` on a daemon thread; each answer is JSON
 (`{"ok": ..., "reasons": [...]}`) with 200 or 503.
@@ -36,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
+
+from workers.ports import DEFAULT_HEALTH_PORT, open_server
 
 __all__ = ["HealthServer", "ProbeResult", "WorkerProbes", "engine_attribute", "start_health_server"]
 
@@ -176,13 +180,20 @@ class HealthServer:
         self._thread.join(5)
 
 
-def start_health_server(port: int, probes: WorkerProbes) -> HealthServer | None:
-    """Serve the probes on `port`; None when `port` <= 0 or the port is taken (logged: the
-    worker runs on without probes, as it does without metrics)."""
-    if port <= 0:
-        return None
-    try:
-        return HealthServer(probes, port)
-    except OSError as exc:
-        log.error("health port %d unavailable: %s", port, exc)
-        return None
+def start_health_server(port: int | None, probes: WorkerProbes) -> HealthServer | None:
+    """Serve the probes as the `TOLK_HEALTH_PORT` setting `port` says (workers/ports.py: a
+    number, or refuse with `PortUnavailable`; AUTO_PORT; None = 8081 else a free one, with a
+    warning); None when it is 0 (off). Never silently without probes."""
+
+    def make(p: int) -> tuple[HealthServer, int]:
+        server = HealthServer(probes, p)
+        return server, server.port
+
+    opened = open_server(
+        make,
+        port,
+        default=DEFAULT_HEALTH_PORT,
+        what="health probes (/readyz, /livez)",
+        setting="TOLK_HEALTH_PORT",
+    )
+    return None if opened is None else opened[0]

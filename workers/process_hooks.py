@@ -15,7 +15,9 @@ none of it is Kafka logic: SIGTERM/SIGINT set the worker's stop event (the loop 
 flushes and commits; handlers can only be installed from the main thread, so a worker run on a
 thread in tests or an embedding leaves the process's handlers alone), and Prometheus is served
 from the worker's own registry, which carries the process and platform collectors the default
-registry would have (several workers may share one test process, each with its registry).
+registry would have (several workers may share one test process, each with its registry). Its
+port follows workers/ports.py: an explicit port that is taken stops the start; none is dropped
+silently.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+
+from workers.ports import DEFAULT_METRICS_PORT, open_server
 
 __all__ = [
     "enable_crash_dumps",
@@ -78,19 +82,26 @@ def install_stop_signals(stop: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry) -> Any:
-    """Serve `registry` over HTTP on `port`; returns the server (its `shutdown()` stops it), or
-    None when `port` <= 0 or the port is taken (logged: a worker runs on without metrics)."""
-    if port <= 0:
-        return None
+def start_metrics_server(
+    port: int | None,
+    registry: CollectorRegistry,
+    *,
+    default: int = DEFAULT_METRICS_PORT,
+    what: str = "metrics (/metrics)",
+    setting: str = "TOLK_METRICS_PORT / --metrics-port",
+) -> Any:
+    """Serve `registry` over HTTP as the port setting `port` says (workers/ports.py: a number,
+    or refuse with `PortUnavailable`; AUTO_PORT; None = `default` else a free one, with a
+    warning); returns the server (`server_address[1]` its port, `shutdown()` stops it), or None
+    when `port` is 0 (off)."""
     from prometheus_client import start_http_server
 
-    try:
-        server, _thread = start_http_server(port, registry=registry)
-    except OSError as exc:
-        log.error("metrics port %d unavailable: %s", port, exc)
-        return None
-    return server
+    def make(p: int) -> tuple[Any, int]:
+        server, _thread = start_http_server(p, registry=registry)
+        return server, int(server.server_address[1])
+
+    opened = open_server(make, port, default=default, what=what, setting=setting)
+    return None if opened is None else opened[0]
 
 
 def worker_registry() -> CollectorRegistry:

@@ -181,6 +181,9 @@ def rollout_status(
             typer.echo(f"  last decision: {last['action']} ({'; '.join(last['reasons'])})")
 
 
+WHAT, SETTING = "guard metrics (/metrics)", "tolk guard --metrics-port"  # in messages
+
+
 def guard(
     window_s: Annotated[float, typer.Option(help="Tumbling window length, seconds.")] = 30.0,
     min_requests: Annotated[int, typer.Option(help="Canary replies for a verdict.")] = 10,
@@ -196,10 +199,18 @@ def guard(
     ] = 250.0,
     app_id: Annotated[str, typer.Option(help="Faust app id (group, changelog).")] = "tolk-guard",
     replies_topic: Annotated[str | None, typer.Option(help="Default: the catalog's.")] = None,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus port (0 = off).")] = 9401,
+    metrics_port: Annotated[
+        str | None,
+        typer.Option(
+            help="Prometheus port: a number (taken: exit 2), auto (a free one, logged), 0 = off; "
+            "default 9401, or a free one when that is taken (workers/ports.py).",
+        ),
+    ] = None,
     datadir: Annotated[str, typer.Option(help="Faust's local state directory.")] = ".tolk-guard",
     bootstrap: BootstrapOpt = None,
-    log_level: Annotated[str, typer.Option(help="crit|error|warn|info|debug")] = "info",
+    log_level: Annotated[
+        str, typer.Option(help="debug|info|warning|error|critical (warn, crit: the same)")
+    ] = "info",
 ) -> None:
     """Run the canary guard: count replies per window, roll back or promote canaries."""
     import logging
@@ -207,12 +218,36 @@ def guard(
     from topics.catalog import replies_topic as default_replies
     from workers.guard.app import GuardConfig, run_guard
     from workers.guard.policy import GuardPolicy
+    from workers.log_levels import parse_log_level
+    from workers.ports import PortUnavailable, parse_port
 
-    logging.basicConfig(
-        level=log_level.upper().replace("CRIT", "CRITICAL").replace("WARN", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        level = parse_log_level(log_level)  # one name that logging and faust both know
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    try:
+        port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
+    from workers.guard.broker_auth import GuardSecurityError, faust_credentials
+    from workers.kafka_config import KafkaConnectionError, check_broker
+    from workers.ports import in_use_message, port_in_use
+
+    if port is not None and port > 0 and port_in_use(port):  # before reaching the broker
+        typer.echo(f"error: {in_use_message(WHAT, port, SETTING)}", err=True)
+        raise typer.Exit(2)
+    try:  # the faust consumer must speak the deployment's security, or no start
+        faust_credentials(settings.kafka_common())
+    except GuardSecurityError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:  # as `tolk worker`: a protocol mismatch, a failed login, an unknown CA, said at once
+        check_broker(settings.kafka_common())
+    except KafkaConnectionError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     config = GuardConfig(
         bootstrap=settings.bootstrap,
         kafka_config=settings.kafka_common(),
@@ -234,4 +269,8 @@ def guard(
         grace_s=grace_s,
         datadir=datadir,
     )
-    run_guard(config, metrics_port=metrics_port, loglevel=log_level)
+    try:
+        run_guard(config, metrics_port=port, loglevel=level.lower(), what=WHAT, setting=SETTING)
+    except PortUnavailable as exc:  # another guard (or worker) on this host holds it
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

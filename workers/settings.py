@@ -14,8 +14,11 @@ Environment variables (all optional):
     TOLK_LANGUAGES            comma list of target languages   en,de,fr,es,it
     TOLK_MODEL                model name for the engine        gemma3-270m
     TOLK_MAX_TEXT_BYTES       larger texts are REJECTED        100000
-    TOLK_METRICS_PORT         Prometheus port (0 = off)        9400
-    TOLK_HEALTH_PORT          /readyz and /livez probes (0 = off; workers/health.py)  8081
+    TOLK_METRICS_PORT         Prometheus port: a number (taken: no start), auto (a free
+                              one, logged), 0 = off; unset: 9400, else a free one with a
+                              warning (workers/ports.py)                              9400
+    TOLK_HEALTH_PORT          /readyz and /livez probes (workers/health.py), the same
+                              forms as TOLK_METRICS_PORT                              8081
     TOLK_LIVENESS_STALL_S     /livez fails when the engine loop made no progress for this
                               long while requests are in flight                       120
     TOLK_DRAIN_REFRESH_S      consumer lag / time to drain read from the broker every
@@ -63,6 +66,7 @@ from workers.fairness.policy import (
     LanguagePolicy,
     parse_policies,
 )
+from workers.ports import parse_port, valid_port_setting
 from workers.redaction import mask_url, with_password
 from workers.tm.redis_cache import TtlTiers, parse_ttl_tiers
 
@@ -88,8 +92,11 @@ class Settings:
     languages: tuple[str, ...] = DEFAULT_LANGUAGES  # target languages this worker consumes
     model: str = "gemma3-270m"  # model name the CLI hands to the engine loader
     max_text_bytes: int = 100_000  # UTF-8 size above which a request is REJECTED
-    metrics_port: int = 9400  # Prometheus HTTP port; 0 = no HTTP server
-    health_port: int = 8081  # /readyz and /livez (workers/health.py); 0 = no probe server
+    # Prometheus HTTP port and the /readyz, /livez port (workers/ports.py): a number (taken:
+    # refuse to start), AUTO_PORT (a free one), None (9400 / 8081, else a free one, warned),
+    # 0 (no server)
+    metrics_port: int | None = None
+    health_port: int | None = None
     liveness_stall_s: float = 120.0  # engine loop silent this long with work: not live
     drain_refresh_s: float = 5.0  # lag / time-to-drain refresh (workers/drain.py); 0 = off
     worker_id: str = field(default_factory=default_worker_id)  # goes on every reply
@@ -164,9 +171,9 @@ class Settings:
         if self.context_layout not in LAYOUTS:
             choices = ", ".join(LAYOUTS)
             raise ValueError(f"context_layout must be one of {choices}: {self.context_layout!r}")
-        if not 0 <= self.metrics_port <= 65535:
+        if not valid_port_setting(self.metrics_port):
             raise ValueError(f"metrics_port out of range: {self.metrics_port!r}")
-        if not 0 <= self.health_port <= 65535:
+        if not valid_port_setting(self.health_port):
             raise ValueError(f"health_port out of range: {self.health_port!r}")
         if not self.liveness_stall_s > 0:
             raise ValueError(f"liveness_stall_s must be > 0, got {self.liveness_stall_s!r}")
@@ -258,8 +265,6 @@ class Settings:
                 kw[attr] = value
         int_fields = {
             "MAX_TEXT_BYTES": "max_text_bytes",
-            "METRICS_PORT": "metrics_port",
-            "HEALTH_PORT": "health_port",
             "RESULT_TTL_S": "result_ttl_s",
             "MAX_IN_FLIGHT": "max_in_flight",
             "BURST_TOKENS": "burst_tokens",
@@ -275,6 +280,10 @@ class Settings:
                     kw[attr] = int(value)
                 except ValueError:
                     raise ValueError(f"TOLK_{env_name}={value!r} is not an integer") from None
+        for env_name, attr in (("METRICS_PORT", "metrics_port"), ("HEALTH_PORT", "health_port")):
+            value = get(env_name)
+            if value is not None:
+                kw[attr] = parse_port(value, f"TOLK_{env_name}")
         store_timeout = get("STORE_TIMEOUT_S")
         if store_timeout is not None:
             try:

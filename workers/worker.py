@@ -201,6 +201,8 @@ class Worker:
         self.assigned_event = threading.Event()  # set once the first assignment arrived
         self.subscribed_event = threading.Event()  # engine started, consumer subscribed
         self.stopped_event = threading.Event()  # set when run() has returned
+        self.metrics_port: int | None = None  # where run() serves /metrics (None: off)
+        self.health_port: int | None = None  # where run() serves /readyz, /livez (None: off)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -209,10 +211,19 @@ class Worker:
         shut down gracefully."""
         stop = stop_event if stop_event is not None else self._stop_event
         self._stop_event = stop
-        restore = install_stop_signals(stop)
+        # an explicit port that is taken raises PortUnavailable here, before anything started
+        # (workers/ports.py); the ports actually served are kept for whoever runs several
         http_server = start_metrics_server(self.settings.metrics_port, self.registry)
         probes = WorkerProbes(self, self.settings.liveness_stall_s)  # workers/health.py
-        health_server = start_health_server(self.settings.health_port, probes)
+        try:
+            health_server = start_health_server(self.settings.health_port, probes)
+        except BaseException:
+            if http_server is not None:
+                http_server.shutdown()
+            raise
+        self.metrics_port = None if http_server is None else int(http_server.server_address[1])
+        self.health_port = None if health_server is None else health_server.port
+        restore = install_stop_signals(stop)
         drain_monitor = start_drain_monitor(self.settings, self.topic_lang, self.metrics)
         try:
             self.engine.start()

@@ -12,7 +12,10 @@ shared broker on 9092 and redis on 6379 are never touched), stopped at the end. 
   the replies, the reprs of the settings and the store, the stack script's own output;
 * a plaintext client, and a client with a wrong password, fail at start with a message that
   names the cause (a security protocol mismatch; SASL authentication), as does `tolk worker`;
-* `status` works in this mode without the variables (the mode is recorded in the state dir).
+* `status` works in this mode without the variables (the mode is recorded in the state dir);
+* `tolk guard` reads the replies over SASL_SSL (its faust consumer gets the same settings as
+  the worker's clients) without a password in its log, and fails fast on a plaintext
+  configuration as `tolk worker` does.
 """
 
 from __future__ import annotations
@@ -378,3 +381,100 @@ def test_tolk_worker_fails_fast_on_a_plaintext_configuration(secure_stack: Secur
     assert done.returncode == 1, done.stdout + done.stderr
     assert "security protocol mismatch" in done.stderr
     assert time.monotonic() - started < 60  # before any model is loaded
+
+
+# ---------------------------------------------------------------------- the canary guard
+
+
+def _guard_reply(i: int, now_ms: int) -> bytes:
+    from schemas.codec import encode_result
+
+    return encode_result(
+        {
+            "request_id": f"g{i}", "status": "OK", "text": "x", "error": None,
+            "model_version": "smol@stable", "source_lang": "en", "target_lang": "de",
+            "timings": {"queue_ms": 1.0, "prefill_ms": 1.0, "decode_ms": 1.0, "total_ms": 300.0},
+            "tokens_in": 3, "tokens_out": 3, "cached_prefix_tokens": 0, "worker_id": "w",
+            "completed_at": now_ms, "conversation_id": None, "metadata": {},
+        }
+    )  # fmt: skip
+
+
+def test_tolk_guard_reads_the_replies_over_sasl_ssl(secure_stack: SecureStack, tmp_path: Path):
+    """`tolk guard` (issue 26): its faust consumer takes the worker's security settings, so on
+    the secured stack it counts replies (it spoke plaintext before and read nothing); its log
+    holds no password."""
+    import dataclasses
+    import re
+
+    from confluent_kafka import Producer
+
+    from topics.admin import ensure_topics
+    from topics.catalog import catalog, replies_topic
+
+    stack = secure_stack
+    prefix = f"secg{uuid.uuid4().hex[:8]}."
+    settings = secured_settings(stack, topic_prefix=prefix)
+    specs = [dataclasses.replace(s, name=prefix + s.name, partitions=1) for s in catalog(["de"])]
+    ensure_topics(settings.bootstrap, specs, timeout=30, client_config=settings.kafka_common())
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TOLK_")},
+        **stack.credentials,
+        "TOLK_TOPIC_PREFIX": prefix,
+    }
+    log_path = tmp_path / "guard.log"
+    args = ["guard", "--window-s", "2", "--app-id", f"guard-{prefix}", "--metrics-port", "auto",
+            "--datadir", str(tmp_path / "guard-data"), "--log-level", "info"]  # fmt: skip
+    with log_path.open("wb") as log:
+        guard = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=REPO,
+                                 env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    producer = Producer({**settings.kafka_common(), "linger.ms": 5})
+    counted = 0.0
+    try:
+        deadline = time.monotonic() + 150
+        port = None
+        while time.monotonic() < deadline and guard.poll() is None:
+            text = log_path.read_text(errors="replace")
+            found = re.search(r"guard metrics \(/metrics\) on port (\d+)", text)
+            port = int(found.group(1)) if found else None
+            if port is not None and "[^Worker]: Ready" in text:
+                break
+            time.sleep(0.5)
+        assert guard.poll() is None, log_path.read_text(errors="replace")[-3000:]
+        assert port is not None and "Ready" in log_path.read_text(), "the guard never started"
+        i = 0
+        while time.monotonic() < deadline and counted < 5:
+            now = int(time.time() * 1000)
+            for _ in range(5):
+                producer.produce(replies_topic(prefix), value=_guard_reply(i, now), timestamp=now)
+                i += 1
+            producer.flush(10)
+            time.sleep(1.0)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                page = r.read().decode()
+            samples = re.findall(r'tolk_guard_replies_total\{arm="stable",lang="de"\} (\S+)', page)
+            counted = float(samples[0]) if samples else 0.0
+    finally:
+        guard.terminate()
+        try:
+            guard.wait(30)
+        except subprocess.TimeoutExpired:
+            guard.kill()
+            guard.wait(10)
+    output = log_path.read_text(errors="replace")
+    assert counted >= 5, f"the guard counted {counted} replies over SASL_SSL:\n{output[-3000:]}"
+    for secret in stack.secrets():
+        assert secret not in output
+
+
+def test_tolk_guard_fails_fast_on_a_plaintext_configuration(secure_stack: SecureStack):
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TOLK_")},
+        "TOLK_BOOTSTRAP": f"127.0.0.1:{secure_stack.kafka_port}",
+    }
+    started = time.monotonic()
+    command = [sys.executable, "-m", "workers.cli", "guard", "--metrics-port", "0"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "security protocol mismatch" in done.stderr
+    assert time.monotonic() - started < 60

@@ -12,7 +12,8 @@ scheduler, the KV cache manager and the model, so none of them needs a lock. Eac
 
 The sampler (`TokenSampler`, workers/engine/sampling.py) holds each sampled request's seeded
 generator; `EngineConfig` and `EngineStats` live in workers/engine/engine_config.py and are
-re-exported here.
+re-exported here. The forward itself (eager, compiled or a CUDA graph replay, and the tokens it
+samples) is `ModelStep` in workers/engine/forward.py, which `Engine` inherits.
 
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
 its prefix (instructions + few-shot examples of the target language) is shared through the
@@ -42,12 +43,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.attention import AttentionMetadata
 from workers.engine.compiled import CompiledDecode
 from workers.engine.cuda_graphs import CudaGraphDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
 from workers.engine.engine_snapshot import EngineSnapshot, snapshot_engine
 from workers.engine.fcfs import FCFSRequestQueue
+from workers.engine.forward import ModelStep
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.loader import LoadedModel, load_model
 from workers.engine.prepare import PreparedModel, prepare_model
@@ -77,7 +78,7 @@ __all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: eng
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(ModelStep):  # the forward paths: workers/engine/forward.py
     def __init__(
         self,
         model: LoadedModel | PreparedModel,
@@ -369,83 +370,6 @@ class Engine:
         # this engine's KV pools in the model; engines sharing the model take turns per step
         with self.prepared.bound(self.kv_pools):
             return self._forward_and_pick(out)
-
-    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, int]:
-        """The step's forward over the flattened batch and its sampled tokens (pools bound)."""
-        if out.block_copies:  # partial prefix hits: their matched slots, before any write
-            self.model.copy_kv_blocks(
-                [(c.group, c.src, c.dst, c.num_slots) for c in out.block_copies]
-            )
-        compiled = self.compiled
-        decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
-        if self.graphs is not None and decode_only:
-            picked = self._run_graph(self.graphs, out)
-            if picked is not None:
-                return picked
-        if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
-            return self._run_compiled(compiled, out)
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        for c in out.chunks:
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
-            positions.extend(range(c.start, c.start + c.num_tokens))
-            query_lens.append(c.num_tokens)
-            seq_lens.append(c.start + c.num_tokens)
-        metadata = {
-            g.name: AttentionMetadata.build(
-                query_lens,
-                seq_lens,
-                [self.kv.block_table(c.seq.request_id, g.name) for c in out.chunks],
-                self.kv.block_size,
-                self.device,
-            )
-            for g in self.kv.groups
-        }
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, pos, metadata)  # [T, D]
-        sampling = [i for i, c in enumerate(out.chunks) if c.samples]
-        if not sampling:
-            return {}
-        ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
-        rows = hidden.index_select(0, ends)  # [N, D]
-        seqs = [out.chunks[i].seq for i in sampling]
-        if self.sampler.screens(seqs):
-            self.stats.screened_steps += 1  # greedy only: no logits needed
-        return self.sampler.pick(seqs, rows)
-
-    def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
-        """A decode-only step through the compiled graph (one new token per sequence)."""
-        seqs = [c.seq for c in out.chunks]
-        self.stats.compiled_steps += 1
-        logits, greedy = compiled(
-            [c.seq.token_ids[c.start] for c in out.chunks],
-            [c.start for c in out.chunks],
-            {
-                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
-                for g in self.kv.groups
-            },
-        )
-        return self.sampler.sample(seqs, logits, greedy)
-
-    def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
-        """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket
-        (then it runs eagerly)."""
-        seqs = [c.seq for c in out.chunks]
-        got = graphs(
-            [c.seq.token_ids[c.start] for c in out.chunks],
-            [c.start for c in out.chunks],
-            {
-                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
-                for g in self.kv.groups
-            },
-        )
-        if got is None:
-            return None
-        self.stats.graph_steps += 1
-        return self.sampler.sample(seqs, *got)  # the argmax's .tolist(): the step's one sync
 
     def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
         p = seq.request.params

@@ -25,8 +25,10 @@ Design notes
   rollout promote|abort|start`) is picked up by re-reading the events topic every
   `refresh_s`. Decisions are keyed (`policy.Decision.event_id`), so a second guard (another
   `app_id`, its own changelog) writes the same events and shares: duplicates, harmless.
-* Faust talks to the broker through aiokafka in PLAINTEXT (the guard's own topics and the
-  control topic use confluent-kafka with the deployment's security settings).
+* Security: the guard's own topics and the control topic use confluent-kafka with the
+  deployment's security settings (`GuardConfig.kafka_config`); the faust app's aiokafka gets
+  the same ones translated into faust's `broker_credentials` (`broker_auth.faust_credentials`:
+  SASL_SSL with SCRAM and the CA on the secured stack), or `tolk guard` refuses to start.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from schemas.codec import SchemaError, decode_result
 from workers.fairness.policy import LanguagePolicy
+from workers.guard.broker_auth import faust_credentials
 from workers.guard.events import (
     EventWriter,
     RolloutBook,
@@ -280,6 +283,7 @@ def build_app(config: GuardConfig, core: GuardCore) -> Any:
     app = faust.App(
         config.app_id,
         broker=f"kafka://{config.bootstrap.split(',')[0]}",
+        broker_credentials=faust_credentials(config.kafka_config),  # as the worker's clients
         store="memory://",
         datadir=config.datadir,
         web_enabled=False,
@@ -383,15 +387,30 @@ def restore_lost_shares(config: GuardConfig, book: RolloutBook, writer: Any) -> 
     return written
 
 
-def run_guard(config: GuardConfig, *, metrics_port: int = 0, loglevel: str = "info") -> None:
-    """Start the guard and run until SIGTERM / Ctrl-C (faust's worker)."""
+def run_guard(
+    config: GuardConfig,
+    *,
+    metrics_port: int | None = 0,
+    loglevel: str = "info",
+    what: str = "guard metrics (/metrics)",
+    setting: str = "tolk guard --metrics-port",
+) -> None:
+    """Start the guard and run until SIGTERM / Ctrl-C (faust's worker). `metrics_port`: a
+    port setting (workers/ports.py: a number, taken -> `PortUnavailable` before anything
+    starts; AUTO_PORT; None = 9401 or a free one; 0 = off)."""
     import faust
 
-    metrics = GuardMetrics()
-    if metrics_port:
-        from prometheus_client import start_http_server
+    from workers.ports import DEFAULT_GUARD_METRICS_PORT
+    from workers.process_hooks import start_metrics_server
 
-        start_http_server(metrics_port, registry=metrics.registry)
+    metrics = GuardMetrics()
+    start_metrics_server(
+        metrics_port,
+        metrics.registry,
+        default=DEFAULT_GUARD_METRICS_PORT,
+        what=what,
+        setting=setting,
+    )
     writer = EventWriter(config.kafka_config, config.events_topic, config.control_topic)
     book = load_book(config.kafka_config, config.events_topic)
     for lang, state in sorted(book.active().items()):

@@ -1,0 +1,126 @@
+"""The engine's model step: one forward over the scheduled batch, and the tokens it samples.
+
+Moved out of workers/engine/engine.py (issue 26: no product file over 500 lines) as a pure
+move: `Engine` inherits these methods from `ModelStep`, their bodies unchanged. The seam is
+between *what* a step runs and *how*: the engine's loop (engine.py) drains its inbox, lets the
+scheduler pick the chunks, applies the stop rules and turns finished sequences into results;
+`ModelStep` runs the chunks it is given, with the engine's KV pools already bound
+(`Engine._run_model`), on one of three paths:
+
+* a CUDA graph replay (`_run_graph`), when every chunk decodes one token and a captured batch
+  size fits (workers/engine/cuda_graphs.py; else it falls through);
+* the compiled decode graph (`_run_compiled`, `--compile-decode`, workers/engine/compiled.py),
+  for decode-only steps of a batch size it covers;
+* eagerly (`_forward_and_pick`): the chunks' tokens flattened into one batch with per-group
+  attention metadata (block tables from the KV manager), one forward, then the last hidden
+  row of each sampling chunk through the sampler (the screened int8 LM head when every
+  sequence is greedy: workers/engine/sampling.py).
+
+Each returns request id -> sampled token. The attributes it reads are the engine's (declared
+below for the type checker); nothing here owns state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from workers.engine.compiled import CompiledDecode
+from workers.engine.cuda_graphs import CudaGraphDecode
+from workers.engine.engine_config import EngineStats
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.model import Transformer
+from workers.engine.sampling import TokenSampler
+from workers.engine.scheduler import SchedulerOutput
+
+__all__ = ["ModelStep"]
+
+
+class ModelStep:
+    """The forward paths of `workers.engine.engine.Engine` (module notes)."""
+
+    # the engine's, set in Engine.__init__
+    model: Transformer
+    kv: KVCacheManager
+    device: torch.device
+    sampler: TokenSampler
+    stats: EngineStats
+    compiled: CompiledDecode | None
+    graphs: CudaGraphDecode | None
+
+    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, int]:
+        """The step's forward over the flattened batch and its sampled tokens (pools bound)."""
+        if out.block_copies:  # partial prefix hits: their matched slots, before any write
+            self.model.copy_kv_blocks(
+                [(c.group, c.src, c.dst, c.num_slots) for c in out.block_copies]
+            )
+        compiled = self.compiled
+        decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
+        if self.graphs is not None and decode_only:
+            picked = self._run_graph(self.graphs, out)
+            if picked is not None:
+                return picked
+        if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
+            return self._run_compiled(compiled, out)
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for c in out.chunks:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            query_lens.append(c.num_tokens)
+            seq_lens.append(c.start + c.num_tokens)
+        metadata = {
+            g.name: AttentionMetadata.build(
+                query_lens,
+                seq_lens,
+                [self.kv.block_table(c.seq.request_id, g.name) for c in out.chunks],
+                self.kv.block_size,
+                self.device,
+            )
+            for g in self.kv.groups
+        }
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(input_ids, pos, metadata)  # [T, D]
+        sampling = [i for i, c in enumerate(out.chunks) if c.samples]
+        if not sampling:
+            return {}
+        ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
+        rows = hidden.index_select(0, ends)  # [N, D]
+        seqs = [out.chunks[i].seq for i in sampling]
+        if self.sampler.screens(seqs):
+            self.stats.screened_steps += 1  # greedy only: no logits needed
+        return self.sampler.pick(seqs, rows)
+
+    def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
+        """A decode-only step through the compiled graph (one new token per sequence)."""
+        seqs = [c.seq for c in out.chunks]
+        self.stats.compiled_steps += 1
+        logits, greedy = compiled(
+            [c.seq.token_ids[c.start] for c in out.chunks],
+            [c.start for c in out.chunks],
+            {
+                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
+                for g in self.kv.groups
+            },
+        )
+        return self.sampler.sample(seqs, logits, greedy)
+
+    def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
+        """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket
+        (then it runs eagerly)."""
+        seqs = [c.seq for c in out.chunks]
+        got = graphs(
+            [c.seq.token_ids[c.start] for c in out.chunks],
+            [c.start for c in out.chunks],
+            {
+                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
+                for g in self.kv.groups
+            },
+        )
+        if got is None:
+            return None
+        self.stats.graph_steps += 1
+        return self.sampler.sample(seqs, *got)  # the argmax's .tolist(): the step's one sync
