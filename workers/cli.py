@@ -139,7 +139,21 @@ def worker(
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off).")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="auto (CUDA when usable, else CPU), cpu, or cuda (refuses to start without "
+            "usable CUDA). The choice and its reason are logged (docs/OPERATIONS.md)."
+        ),
+    ] = "auto",
+    triton_kernels: Annotated[
+        bool,
+        typer.Option(help="On CUDA: the Triton kernels, checked against the eager path at start."),
+    ] = True,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(help="On CUDA: decode steps as CUDA graphs, checked at start."),
+    ] = True,
     quantize: Annotated[
         str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
     ] = None,
@@ -233,20 +247,36 @@ def worker(
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
+    engine_config = EngineConfig(
+        model=settings.model,
+        device=device,
+        quantize=quantize,
+        compile_decode=compile_decode,
+        warm_languages=tuple(settings.languages),
+        max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
+    )
+    # --device and the GPU path, checked against the eager path (workers/engine/device_select.py)
+    from workers.engine.device_select import (
+        DEVICES,
+        DeviceUnavailable,
+        GpuOptions,
+        select_engine_config,
+    )
+
+    if device not in DEVICES:
+        raise typer.BadParameter(f"one of {', '.join(DEVICES)}", param_hint="--device")
+    try:
+        selection, loaded = select_engine_config(
+            engine_config, GpuOptions(device, triton_kernels, cuda_graphs)
+        )
+    except DeviceUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     # Weighted fair share (VTC) across languages, deadline admission, no OK after a deadline.
     # EngineConfig.warm_languages puts each language's prompt prefix into the prefix cache
     # before the first request.
     engine = build_fair_engine(
-        EngineConfig(
-            model=settings.model,
-            device=device,
-            quantize=quantize,
-            compile_decode=compile_decode,
-            warm_languages=tuple(settings.languages),
-            max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
-        ),
-        policies,
-        burst_tokens=settings.burst_tokens,
+        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
     )
     from workers.engine.types import TranslationEngine
 
