@@ -226,6 +226,21 @@ def worker(
 
     if faithful_policy not in POLICIES:
         raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--faithful-policy")
+    # --device, and the GPU path checked against the eager path (workers/engine/device_select.py):
+    # a device that cannot be had refuses here, before the broker and the model
+    from workers.engine import device_select
+
+    if device not in device_select.DEVICES:
+        raise typer.BadParameter(
+            f"one of {', '.join(device_select.DEVICES)}", param_hint="--device"
+        )
+    try:
+        device_select.choose_device(
+            device, device_select.cuda_problem() if device != "cpu" else None
+        )
+    except device_select.DeviceUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     settings = _settings(
         model=model, languages=languages, bootstrap=bootstrap, metrics_port=metrics_port, arm=arm
     )
@@ -255,21 +270,11 @@ def worker(
         warm_languages=tuple(settings.languages),
         max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
     )
-    # --device and the GPU path, checked against the eager path (workers/engine/device_select.py)
-    from workers.engine.device_select import (
-        DEVICES,
-        DeviceUnavailable,
-        GpuOptions,
-        select_engine_config,
-    )
-
-    if device not in DEVICES:
-        raise typer.BadParameter(f"one of {', '.join(DEVICES)}", param_hint="--device")
     try:
-        selection, loaded = select_engine_config(
-            engine_config, GpuOptions(device, triton_kernels, cuda_graphs)
+        selection, loaded = device_select.select_engine_config(
+            engine_config, device_select.GpuOptions(device, triton_kernels, cuda_graphs)
         )
-    except DeviceUnavailable as exc:
+    except device_select.DeviceUnavailable as exc:  # CUDA lost since the first probe
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     # Weighted fair share (VTC) across languages, deadline admission, no OK after a deadline.

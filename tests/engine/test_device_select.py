@@ -33,7 +33,8 @@ from workers.engine.device_select import (
 )
 from workers.engine.engine import Engine, EngineConfig
 
-BASE = EngineConfig(model="m", kv_cache_tokens=512, pack_weights=False)  # no GEMM probe
+# no GEMM probe, no C++ ops to build (the screened LM head: one test below)
+BASE = EngineConfig(model="m", kv_cache_tokens=512, pack_weights=False, screen_lm_head=False)
 NO_CUDA = "torch 2.x sees no CUDA device"
 
 
@@ -228,9 +229,10 @@ def recorded(engine: Engine) -> tuple[list[list[int]], list[list[torch.Tensor]]]
 
 def test_the_comparison_passes_another_path_to_the_same_function(tiny_config, tiny_models):
     _, loaded = tiny_models(tiny_config("llama", vocab_size=128))
-    want, logits = recorded(Engine(loaded, BASE))
+    screened = dataclasses.replace(BASE, screen_lm_head=True)  # the recorder reads full logits
+    want, logits = recorded(Engine(loaded, screened))
     assert all(len(x) == 10 for x in logits)
-    other = Engine(loaded, dataclasses.replace(BASE, block_size=4, enable_prefix_caching=False))
+    other = Engine(loaded, dataclasses.replace(screened, block_size=4, enable_prefix_caching=False))
     got = greedy_tokens(other, PROMPTS, 10)
     assert compare(want, logits, got, ds.TOLERANCES[torch.float32]) == (None, 0)
 
@@ -274,3 +276,21 @@ def _interpreting() -> bool:
     from kernels import triton_attention
 
     return bool(triton_attention.INTERPRETED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_check_passes_kernels_and_graphs_on_cuda(arch: str, tiny_config, tiny_models):
+    no_caps = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    _, loaded = tiny_models(
+        tiny_config(arch, vocab_size=512, **(no_caps if arch == "gemma3" else {})), "cuda"
+    )
+    asked = dataclasses.replace(
+        BASE, device="cuda", max_model_len=256, triton_kernels=True, cuda_graphs=True
+    )
+    result = check_fast_path(loaded, asked, new_tokens=12, prompts=PROMPTS)
+    assert (result.kernels, result.graphs) == (None, None), result
+    from workers.engine.triton_swaps import uses_triton_kernels
+
+    assert uses_triton_kernels(loaded.model)
