@@ -170,7 +170,21 @@ def worker(
             "default TOLK_METRICS_PORT, else 9400 or a free one (workers/ports.py).",
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            help="auto (CUDA when usable, else CPU), cpu, or cuda (refuses to start without "
+            "usable CUDA). The choice and its reason are logged (docs/OPERATIONS.md)."
+        ),
+    ] = "auto",
+    triton_kernels: Annotated[
+        bool,
+        typer.Option(help="On CUDA: the Triton kernels, checked against the eager path at start."),
+    ] = True,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(help="On CUDA: decode steps as CUDA graphs, checked at start."),
+    ] = True,
     quantize: Annotated[
         str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
     ] = None,
@@ -255,6 +269,21 @@ def worker(
         port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
+    # --device, and the GPU path checked against the eager path (workers/engine/device_select.py):
+    # a device that cannot be had refuses here, before the broker and the model
+    from workers.engine import device_select
+
+    if device not in device_select.DEVICES:
+        raise typer.BadParameter(
+            f"one of {', '.join(device_select.DEVICES)}", param_hint="--device"
+        )
+    try:
+        device_select.choose_device(
+            device, device_select.cuda_problem() if device != "cpu" else None
+        )
+    except device_select.DeviceUnavailable as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     settings = _settings(
         model=model, languages=languages, bootstrap=bootstrap, metrics_port=port, arm=arm
     )
@@ -277,20 +306,26 @@ def worker(
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
+    engine_config = EngineConfig(
+        model=settings.model,
+        device=device,
+        quantize=quantize,
+        compile_decode=compile_decode,
+        warm_languages=tuple(settings.languages),
+        max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
+    )
+    try:
+        selection, loaded = device_select.select_engine_config(
+            engine_config, device_select.GpuOptions(device, triton_kernels, cuda_graphs)
+        )
+    except device_select.DeviceUnavailable as exc:  # CUDA lost since the first probe
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     # Weighted fair share (VTC) across languages, deadline admission, no OK after a deadline.
     # EngineConfig.warm_languages puts each language's prompt prefix into the prefix cache
     # before the first request.
     engine = build_fair_engine(
-        EngineConfig(
-            model=settings.model,
-            device=device,
-            quantize=quantize,
-            compile_decode=compile_decode,
-            warm_languages=tuple(settings.languages),
-            max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
-        ),
-        policies,
-        burst_tokens=settings.burst_tokens,
+        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
     )
     from workers.engine_chain import ChainOptions, compose_served
 

@@ -168,9 +168,14 @@ class Engine(ModelStep):  # the forward paths: workers/engine/forward.py
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: object) -> Engine:
-        dtype = getattr(torch, config.dtype) if config.dtype else None
-        loaded = load_model(config.model, dtype=dtype, device=config.device)
+    def from_config(
+        cls, config: EngineConfig, loaded: LoadedModel | None = None, **kwargs: object
+    ) -> Engine:
+        """Load `config.model` (or take `loaded`, already on `config.device`: the device
+        selection's checked model, workers/engine/device_select.py), prepare, warm, capture."""
+        if loaded is None:
+            dtype = getattr(torch, config.dtype) if config.dtype else None
+            loaded = load_model(config.model, dtype=dtype, device=config.device)
         prepared = prepare_model(loaded, config.preparation)  # the swaps, once
         engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
         warm = [lang for lang in config.warm_languages if lang in engine.languages]

@@ -264,12 +264,14 @@ def build_fair_engine(
     latency_model: LatencyModel | None = None,
     precheck: bool = True,
     burst_tokens: float = DEFAULT_BURST_TOKENS,
+    loaded: LoadedModel | None = None,
 ) -> FairEngine:
     """An Engine wired with `VTCQueue.from_policies` (fair) or `FCFSQueue` and `EngineAdmission`.
 
     `loaded_or_config`: a LoadedModel (then `config` is the EngineConfig, default one) or an
     EngineConfig (the model is loaded by `Engine.from_config`). `burst_tokens`: the VTC queue's
-    burst credit for a language returning from idle (0 = the paper's lift).
+    burst credit for a language returning from idle (0 = the paper's lift). `loaded`, with an
+    EngineConfig: the model already loaded on its device (`Engine.from_config(loaded=)`).
     """
     from workers.engine.engine import Engine, EngineConfig
 
@@ -280,7 +282,7 @@ def build_fair_engine(
     )
     hook = EngineAdmission(latency_model, queue=queue) if admission else None
     if isinstance(loaded_or_config, EngineConfig):
-        engine = Engine.from_config(loaded_or_config, request_queue=queue, admission=hook)
+        engine = Engine.from_config(loaded_or_config, loaded, request_queue=queue, admission=hook)
     else:
         engine = Engine(loaded_or_config, config, request_queue=queue, admission=hook)
     return FairEngine(engine, hook, precheck=precheck)
