@@ -7,7 +7,7 @@ Output: per system, point and language each figure's interval over the repeats
 misses infinite) stays within the SLO in every repeat and language, and tolk's figures
 divided by each anchor's (mean over repeats; < 1 is tolk faster for latencies, > 1 is tolk
 better for goodput). The PNG shows P99 and goodput against the total rate, one line per
-system and language; a P99 that fell on a miss is drawn at the top of the axis as an x.
+system and language; a P99 that fell on a miss is drawn at the top of the axis with an x.
 """
 
 from __future__ import annotations
@@ -112,8 +112,15 @@ def plot(summary: Mapping[str, Any], path: Path, *, slo_s: float, title: str) ->
     import matplotlib.pyplot as plt
 
     fig, (ax_p99, ax_good) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = ["-", "--", ":", "-."]
-    top = slo_s * 4
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+    finite = [
+        f["p99_s"]["mean"]
+        for points in summary.values()
+        for p in points.values()
+        for f in p["languages"].values()
+        if f["p99_s"]["mean"] is not None
+    ]
+    top = max([slo_s * 2, *finite]) * 1.1  # a P99 that fell on a miss is drawn here
     for si, (system, points) in enumerate(sorted(summary.items())):
         color = f"C{si}"
         langs = sorted({lang for p in points.values() for lang in p["languages"] if lang != "all"})
@@ -125,20 +132,21 @@ def plot(summary: Mapping[str, Any], path: Path, *, slo_s: float, title: str) ->
                     continue
                 xs.append(p["total_rate"])
                 mean = figs["p99_s"]["mean"]
-                p99.append(min(mean, top) if mean is not None else top)
+                p99.append(mean if mean is not None else top)
                 if mean is None:
                     missed.append((p["total_rate"], top))
                 good.append(figs["goodput"]["mean"] or 0.0)
             label = f"{system} {lang}"
-            style = styles[li % len(styles)]
-            ax_p99.plot(xs, p99, style, color=color, marker="o", label=label)
-            ax_good.plot(xs, good, style, color=color, marker="o", label=label)
+            style, marker = styles[li % len(styles)]
+            ax_p99.plot(xs, p99, style, color=color, marker=marker, label=label)
+            ax_good.plot(xs, good, style, color=color, marker=marker, label=label)
             if missed:
                 ax_p99.plot(*zip(*missed, strict=True), "x", color=color, markersize=10)
     ax_p99.axhline(slo_s, color="grey", linewidth=0.8)
     ax_p99.set_xlabel("offered load, requests/s (all languages)")
-    ax_p99.set_ylabel("P99 latency, s (misses infinite; x: off the chart)")
+    ax_p99.set_ylabel("P99 latency, s (x at the top: the P99 was a miss)")
     ax_p99.set_ylim(0, top * 1.05)
+    ax_p99.legend(fontsize=7)
     ax_good.set_xlabel("offered load, requests/s (all languages)")
     ax_good.set_ylabel(f"goodput: share of offered answered OK within {slo_s:g} s")
     ax_good.set_ylim(0, 1.05)
