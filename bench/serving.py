@@ -238,9 +238,9 @@ def report(args: argparse.Namespace, points: list[dict[str, Any]], runs: list[JS
     sweep = [p["point"] for p in points if p["sweep"]]
     result: JSON = {
         "bench": "serving",
-        "command": "python -m bench.serving " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.serving " + " ".join(args.argv),
         "machine": machine_info(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "argv")},
         "definitions": {
             "latency": "scheduled send -> reply (open loop, no coordinated omission)",
             "p*_s": "nearest rank over all offered requests, a miss counted infinite (null: "
@@ -310,6 +310,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> JSON:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     result = run(args)
     print(dump(result))
     write_json(result, args.out)

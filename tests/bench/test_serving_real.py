@@ -42,6 +42,8 @@ def test_a_few_requests_through_a_real_worker(
     tmp_path: Path,
 ) -> None:
     result = _run("tolk", kafka_bootstrap, redis_url, tmp_path)
+    assert "error" not in result["starts"][0], result["starts"]
+    assert "--duration 4" in result["command"]
     (run,) = result["runs"]
     _check(run)
     assert result["starts"][0]["start_to_assigned_s"] > 0
@@ -57,6 +59,7 @@ def test_the_same_requests_through_llama_server(
     if find_llama_server() is None:
         pytest.skip(f"llama-server not built (bash {BUILD_SCRIPT})")
     result = _run("llama-http,llama-kafka", kafka_bootstrap, redis_url, tmp_path)
+    assert all("error" not in s for s in result["starts"]), result["starts"]
     assert [r["system"] for r in result["runs"]] == ["llama-http", "llama-kafka"]
     for run in result["runs"]:
         _check(run)
