@@ -51,6 +51,8 @@ class Completion:
     tokens_out: int
     reply_chars: int
     error: str | None
+    decode_s: float | None = None  # the reply's `timings.decode_ms` (TTFT = latency - decode)
+    withheld: bool = False  # an ERROR reply whose answer the faithfulness checks withheld
 
 
 class KafkaBridge:
@@ -146,6 +148,8 @@ class KafkaBridge:
         wall_at = time.time() - (time.monotonic() - scheduled_at)
         lag = max(0.0, time.monotonic() - scheduled_at)
         rid, status, error, tokens, chars = "", "ERROR", None, 0, 0
+        decode_s: float | None = None
+        withheld = False
         try:
             if client is None:
                 raise TranslationError("load test client closed")
@@ -159,6 +163,9 @@ class KafkaBridge:
             )
             rid, status, error = reply.request_id, reply.status, reply.error
             tokens, chars = reply.tokens_out, len(reply.text)
+            if "decode_ms" in reply.timings:
+                decode_s = reply.timings["decode_ms"] / 1e3
+            withheld = reply.withheld is not None
         except TranslationTimeout as exc:
             rid, status, error = exc.request_id, "TIMEOUT", str(exc)
         except TranslationNotDelivered as exc:
@@ -179,5 +186,7 @@ class KafkaBridge:
                 tokens_out=tokens,
                 reply_chars=chars,
                 error=error,
+                decode_s=decode_s,
+                withheld=withheld,
             )
         )

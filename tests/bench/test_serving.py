@@ -1,0 +1,283 @@
+"""The serving benchmark's pure parts (bench/serving*.py): arrival schedules, goodput with
+misses, percentiles and intervals, the llama-server request and reply, the summary, ratios and
+plot. No services, no model."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.serving import build_requests, load_points, parse_args
+from bench.serving_kafka import completion_outcome, missing_as_timeouts, tolk_policies
+from bench.serving_llamaserver import PromptTexts, completion_body, parse_completion
+from bench.serving_report import max_rates, plot, ratios, summarize
+from bench.serving_stats import (
+    Outcome,
+    arrival_times,
+    interval,
+    language_figures,
+    max_rate_within_slo,
+    parse_lang_values,
+    percentile,
+    point_rates,
+    schedule,
+)
+from workers.loadtest.bridge import Completion
+from workers.loadtest.texts import LoadText
+
+# -- arrivals ---------------------------------------------------------------------------------
+
+
+def test_constant_arrivals_have_the_rate_and_even_gaps() -> None:
+    times = arrival_times(2.0, 60.0, "constant", random.Random(1))
+    assert len(times) == 120
+    gaps = {round(b - a, 9) for a, b in zip(times, times[1:], strict=False)}
+    assert gaps == {0.5}
+    assert 0.0 <= times[0] < 0.5 and times[-1] < 60.0
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_rate() -> None:
+    a = arrival_times(5.0, 2000.0, "poisson", random.Random("s"))
+    b = arrival_times(5.0, 2000.0, "poisson", random.Random("s"))
+    c = arrival_times(5.0, 2000.0, "poisson", random.Random("t"))
+    assert a == b and a != c
+    assert abs(len(a) / 2000.0 - 5.0) < 0.15  # 10 000 events: sd ~1 %
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    cv = math.sqrt(sum((g - 0.2) ** 2 for g in gaps) / len(gaps)) / 0.2
+    assert 0.9 < cv < 1.1  # exponential gaps: coefficient of variation 1 (constant: 0)
+
+
+def test_schedule_is_per_language_and_time_ordered() -> None:
+    one = schedule({"de": 1.0}, 30.0, "poisson", 7)
+    two = schedule({"de": 1.0, "en": 3.0}, 30.0, "poisson", 7)
+    assert [t for t, lang in two if lang == "de"] == [t for t, _ in one]  # de's own stream
+    assert [t for t, _ in two] == sorted(t for t, _ in two)
+    assert 60 < sum(1 for _, lang in two if lang == "en") < 120
+    with pytest.raises(ValueError):
+        arrival_times(1.0, 10.0, "bursty", random.Random(0))
+
+
+def test_load_points_sweep_and_absolute() -> None:
+    sweep = load_points(parse_args(["--rates", "1,4", "--mix", "de=3,en=1"]))
+    assert [p["total_rate"] for p in sweep] == [1.0, 4.0]
+    assert sweep[1]["rates"] == {"de": 3.0, "en": 1.0} and sweep[1]["sweep"]
+    over = load_points(parse_args(["--rate", "de=3,en=0.1"]))
+    assert over == [{"point": "de=3,en=0.1", "total_rate": 3.1,
+                     "rates": {"de": 3.0, "en": 0.1}, "sweep": False}]  # fmt: skip
+    assert point_rates(2.0, {"de": 1, "en": 1}) == {"de": 1.0, "en": 1.0}
+    for bad in ("de", "de=0", "de=1,de=2", "de=x", ""):
+        with pytest.raises(ValueError):
+            parse_lang_values(bad)
+
+
+def test_build_requests_cycles_each_languages_texts() -> None:
+    texts = {"de": [LoadText("en", "a"), LoadText("en", "b")], "en": [LoadText("de", "x")]}
+    reqs = build_requests({"de": 3.0, "en": 1.0}, 2.0, "constant", 0, texts)
+    assert [r[3] for r in reqs if r[1] == "de"] == ["a", "b", "a", "b", "a", "b"]
+    assert {(r[2], r[3]) for r in reqs if r[1] == "en"} == {("de", "x")}
+
+
+# -- goodput, percentiles, intervals ---------------------------------------------------------
+
+
+def _ok(lat: float, lang: str = "de") -> Outcome:
+    return Outcome(lang, "OK", lat, lat / 2, 5)
+
+
+def test_goodput_counts_every_miss_against_offered() -> None:
+    outcomes = [_ok(0.5), _ok(1.0), _ok(3.0)]  # one OK beyond the 2 s SLO
+    outcomes += [Outcome("de", s, 0.01) for s in ("EXPIRED", "REJECTED", "ERROR", "WITHHELD")]
+    outcomes += [Outcome("de", "TIMEOUT", None)]
+    f = language_figures(outcomes, slo_s=2.0, rate=1.0, window_s=8.0)
+    assert f["offered"] == 8 and f["ok"] == 3 and f["good"] == 2
+    assert f["goodput"] == 0.25
+    assert f["statuses"]["WITHHELD"] == 1 and f["statuses"]["TIMEOUT"] == 1
+    assert f["p50_ok_s"] == 1.0 and f["p99_ok_s"] == 3.0
+    assert f["p50_s"] is None  # more than half missed: the median is a miss
+    assert f["ttft_p50_s"] == 0.5
+
+
+def test_dropping_work_never_raises_goodput_or_lowers_the_offered_tail() -> None:
+    served = [_ok(0.2 + 0.01 * i) for i in range(98)] + [_ok(2.5), _ok(3.0)]
+    shed = served[:98] + [Outcome("de", "REJECTED", 0.001)] * 2  # turn the slow two away
+    a = language_figures(served, slo_s=2.0, rate=1.0, window_s=100.0)
+    b = language_figures(shed, slo_s=2.0, rate=1.0, window_s=100.0)
+    assert b["goodput"] <= a["goodput"] == 0.98
+    assert a["p99_s"] == 2.5 and b["p99_s"] is None  # the offered P99 is a miss
+    assert b["p99_ok_s"] < a["p99_ok_s"]  # the OK-only tail does improve: why p99_s exists
+
+
+def test_percentile_nearest_rank() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    random.Random(0).shuffle(xs)
+    assert percentile(xs, 50) == 50.0 and percentile(xs, 99) == 99.0
+    assert percentile(xs, 100) == 100.0 and percentile([], 50) is None
+    assert percentile([1.0, math.inf], 50) == 1.0 and percentile([1.0, math.inf], 99) is None
+
+
+def test_interval_mean_min_max_t() -> None:
+    iv = interval([1.0, 2.0, 3.0])
+    assert (iv["mean"], iv["min"], iv["max"], iv["n"]) == (2.0, 1.0, 3.0, 3)
+    half = 4.303 * 1.0 / math.sqrt(3)
+    assert iv["ci95"] == [round(2.0 - half, 4), round(2.0 + half, 4)]
+    assert interval([1.5])["ci95"] is None and interval([1.5])["mean"] == 1.5
+    unbounded = interval([1.0, None, 2.0])
+    assert unbounded["mean"] is None and unbounded["values"] == [1.0, None, 2.0]
+    assert interval([])["n"] == 0
+
+
+def test_max_rate_within_slo_stops_at_the_first_failing_rate() -> None:
+    assert max_rate_within_slo({1: [0.5, 0.9], 2: [1.9], 4: [2.5], 8: [1.0]}, 2.0) == 2
+    assert max_rate_within_slo({1: [0.5, None], 2: [1.0]}, 2.0) is None
+    assert max_rate_within_slo({1: [2.1]}, 2.0) is None
+
+
+# -- the Kafka side's outcomes ----------------------------------------------------------------
+
+
+def _completion(status: str, latency: float, **kw: object) -> Completion:
+    return Completion("de", "r", status, 0.0, latency, 0.01, 4, 10, None, **kw)  # type: ignore[arg-type]
+
+
+def test_completion_outcome_withheld_timeout_ttft() -> None:
+    ok = completion_outcome(_completion("OK", 1.5, decode_s=0.5))
+    assert ok.status == "OK" and ok.latency_s == 1.5 and ok.ttft_s == pytest.approx(1.0)
+    withheld = completion_outcome(_completion("ERROR", 1.0, withheld=True))
+    assert withheld.status == "WITHHELD" and withheld.ttft_s is None
+    timeout = completion_outcome(_completion("TIMEOUT", 60.0))
+    assert timeout.latency_s is None and not timeout.ok
+
+
+def test_missing_replies_become_timeouts_per_language() -> None:
+    reqs = [(0.0, "de", "en", "a"), (0.1, "de", "en", "b"), (0.2, "en", "de", "c")]
+    missing = missing_as_timeouts(reqs, [Outcome("de", "OK", 0.3)])
+    assert sorted((o.lang, o.status) for o in missing) == [("de", "TIMEOUT"), ("en", "TIMEOUT")]
+
+
+def test_tolk_policies_keep_default_weights_and_set_the_cap() -> None:
+    from workers.fairness.policy import parse_policies
+
+    spec = tolk_policies(["de", "en", "xx"], 64)
+    parsed = parse_policies(spec)
+    assert parsed["de"].weight == 4.0 and parsed["de"].slo_p99_s == 2.0
+    assert parsed["en"].weight == 3.0 and parsed["xx"].weight == 1.0
+    assert {p.max_new_tokens for p in parsed.values()} == {64}
+
+
+# -- llama-server --------------------------------------------------------------------------------
+
+COMPLETION = {
+    "content": " Hello, how are you?\nGerman: extra",
+    "tokens_predicted": 7,
+    "tokens_evaluated": 312,
+    "tokens_cached": 300,
+    "stop": True,
+    "stop_type": "word",
+    "stopping_word": "\n",
+    "timings": {
+        "cache_n": 300,
+        "prompt_n": 12,
+        "prompt_ms": 41.5,
+        "predicted_n": 7,
+        "predicted_ms": 88.25,
+    },  # fmt: skip
+}
+
+
+def test_parse_completion_ok() -> None:
+    r = parse_completion(200, json.dumps(COMPLETION).encode())
+    assert r.status == "OK" and r.text == "Hello, how are you?"  # newline rule, trimmed
+    assert (r.tokens_in, r.tokens_out, r.cached_tokens) == (312, 7, 300)
+    assert (r.prompt_ms, r.predicted_ms, r.stop_type) == (41.5, 88.25, "word")
+
+
+def test_parse_completion_errors() -> None:
+    err = {"error": {"code": 400, "message": "the request exceeds the context", "type": "x"}}
+    r = parse_completion(400, json.dumps(err))
+    assert r.status == "ERROR" and "exceeds the context" in (r.error or "")
+    assert parse_completion(503, b"<html>busy</html>").status == "ERROR"
+    assert parse_completion(200, {"error": "loading model"}).status == "ERROR"
+
+
+def test_completion_body_and_prompt_text_are_tolks() -> None:
+    prompts = PromptTexts("gemma3")
+    text = prompts("Hallo, wie geht es?", "de", "en")
+    assert text.startswith("Translate each text into English.")
+    assert text.endswith("German: Hallo, wie geht es?\nEnglish:")
+    body = completion_body(text, 64, prompts.stop_at_newline)
+    assert body["stop"] == ["\n"] and body["n_predict"] == 64 and body["cache_prompt"] is True
+    assert body["temperature"] == 0.0 and body["prompt"] == text
+
+
+# -- summary, ratios, plot --------------------------------------------------------------------
+
+
+def _run(system: str, rep: int, total: float, p99: float | None, goodput: float) -> dict:
+    fig = {"p50_s": 0.4, "p95_s": 0.8, "p99_s": p99, "p50_ok_s": 0.4, "p99_ok_s": p99 or 9.0,
+           "goodput": goodput, "statuses": {"OK": 10}}  # fmt: skip
+    return {"system": system, "repeat": rep, "point": f"{total:g}", "total_rate": total,
+            "rates": {"de": total}, "languages": {"de": fig, "all": fig}}  # fmt: skip
+
+
+def test_summary_ratios_max_rate_and_plot(tmp_path: Path) -> None:
+    runs = [_run("tolk", r, t, p, 1.0) for r in (0, 1) for t, p in ((1, 0.9), (2, 1.5), (4, 2.5))]
+    runs += [_run("llama-http", r, t, p, 0.9) for r in (0, 1) for t, p in ((1, 1.8), (2, None))]
+    summary = summarize(runs)
+    de = summary["tolk"]["2"]["languages"]["de"]
+    assert de["p99_s"]["mean"] == 1.5 and de["p99_s"]["n"] == 2 and de["statuses"] == {"OK": 20}
+    assert max_rates(runs, 2.0, ["1", "2", "4"]) == {"tolk": 2.0, "llama-http": 1.0}
+    r = ratios(summary)["llama-http"]
+    assert r["1"]["de"]["p99_s"] == 0.5 and r["1"]["de"]["goodput"] == pytest.approx(1.111, 1e-3)
+    assert r["2"]["de"]["p99_s"] is None  # the anchor's P99 was a miss
+    png = plot(summary, tmp_path / "s.png", slo_s=2.0, title="t")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+class _FakeClient:
+    """The bridge's client without Kafka: OK with a decode time, a withheld answer, a
+    timeout."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def translate(self, text: str, **kw: object) -> object:
+        from workers.client_types import TranslationReply, TranslationTimeout
+
+        if text == "slow":
+            raise TranslationTimeout("r-slow", 1.0)
+        withheld = text == "bad"
+        return TranslationReply(
+            request_id=f"r-{text}", status="ERROR" if withheld else "OK",
+            text="" if withheld else text.upper(), error=None, model_version="m",
+            source_lang="en", target_lang="de",
+            timings={"queue_ms": 1.0, "prefill_ms": 2.0, "decode_ms": 30.0, "total_ms": 40.0},
+            tokens_in=3, tokens_out=2, cached_prefix_tokens=0, worker_id="w", completed_at=0,
+            conversation_id=None,
+            metadata={"tolk.faithful": "withheld"} if withheld else {},
+        )  # fmt: skip
+
+
+def test_drive_bridge_keeps_every_offered_request() -> None:
+    from bench.serving_kafka import drive_bridge
+    from workers.loadtest.bridge import KafkaBridge
+
+    bridge = KafkaBridge("unused:9092", client_factory=lambda: _FakeClient())  # type: ignore[arg-type,return-value]
+    bridge.start()
+    try:
+        reqs = [(0.0, "de", "en", "good"), (0.05, "de", "en", "bad"), (0.1, "en", "de", "slow")]
+        outcomes, window = drive_bridge(bridge, reqs, timeout_s=2.0)
+    finally:
+        bridge.close()
+    by = {o.status: o for o in outcomes}
+    assert sorted(by) == ["OK", "TIMEOUT", "WITHHELD"] and len(outcomes) == 3
+    ok = by["OK"]
+    assert ok.latency_s is not None and ok.ttft_s == pytest.approx(ok.latency_s - 0.03)
+    assert by["TIMEOUT"].lang == "en" and by["TIMEOUT"].latency_s is None
+    assert 0.1 <= window < 1.0
