@@ -141,11 +141,28 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus port (0 = off).")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     quantize: Annotated[
-        str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
+        str | None,
+        typer.Option(
+            help="Weights: 'none' (float32), 'bfloat16' or 'int8' (weight-only, tolk's CPU "
+            "kernel). Default: the auto configuration's choice."
+        ),
     ] = None,
     compile_decode: Annotated[
-        bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--compile-decode/--no-compile-decode",
+            help="Small decode steps through torch.compile. Default: the auto choice.",
+        ),
+    ] = None,
+    auto: Annotated[
+        bool,
+        typer.Option(
+            "--auto/--no-auto",
+            help="Pick the fastest weights / compiled decode that pass the quality gate, by a "
+            "start-up probe cached on disk (workers/engine/autoprobe.py); flags still win. "
+            "--no-auto: eager float32 unless the flags say otherwise.",
+        ),
+    ] = True,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
     arm: Annotated[
         str | None,
@@ -228,8 +245,20 @@ def worker(
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
 
+    from workers.engine.autoprobe import resolve_worker_config
+    from workers.engine.disk_cache import cache_root, configure_compile_caches
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
+
+    root = cache_root(settings.cache_dir)
+    configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
+    try:
+        chosen = resolve_worker_config(
+            settings.model, device=device, quantize=quantize, compile_decode=compile_decode,
+            auto=auto, cache_root=root,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--quantize") from None
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
@@ -240,8 +269,11 @@ def worker(
         EngineConfig(
             model=settings.model,
             device=device,
-            quantize=quantize,
-            compile_decode=compile_decode,
+            dtype=chosen.dtype,
+            quantize=chosen.quantize,
+            compile_decode=chosen.compile_decode,
+            compile_in_background=True,  # consume at once, eager until the graphs are ready
+            cache_dir=str(root),
             warm_languages=tuple(settings.languages),
             max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
         ),
@@ -268,7 +300,9 @@ def worker(
     if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
         from workers.cache_engine import with_translation_cache
 
-        served = with_translation_cache(served, settings, variant=f"quantize={quantize or ''}")
+        served = with_translation_cache(
+            served, settings, variant=f"quantize={chosen.quantize or ''}"
+        )
     if drill_inject_latency or drill_inject_errors:  # outermost: every reply of the arm
         from workers.drill_engine import with_drills
 

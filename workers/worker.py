@@ -78,7 +78,12 @@ from workers.kafka_config import (
 )
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
-from workers.process_hooks import install_stop_signals, start_metrics_server, worker_registry
+from workers.process_hooks import (
+    install_stop_signals,
+    seconds_since_process_start,
+    start_metrics_server,
+    worker_registry,
+)
 from workers.record_intake import RecordIntake
 from workers.records import InFlight
 from workers.replies import STATUS_OF
@@ -225,7 +230,13 @@ class Worker:
                 on_lost=self._on_lost,
             )
             self.subscribed_event.set()
-            log.info("worker %s consuming %s", self.settings.worker_id, sorted(self.topic_lang))
+            up = seconds_since_process_start()
+            log.info(
+                "worker %s consuming %s (%s since process start)",
+                self.settings.worker_id,
+                sorted(self.topic_lang),
+                "?" if up is None else f"{up:.1f}s",
+            )
             try:
                 while not stop.is_set() and not self._crash:
                     self._iteration()

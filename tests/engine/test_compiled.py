@@ -77,3 +77,24 @@ def test_int8_compiled_engine_stays_close_to_float32(smollm2: Any) -> None:
     same_start = sum(g[:4] == r[:4] for g, r in zip(got, reference, strict=True))
     assert same_start >= 4, (got, reference)
     assert all(len(g) > 2 for g in got)
+
+
+def test_background_compile_serves_eagerly_until_ready(tiny_config: Any, tiny_models: Any):
+    """The worker's start: the engine serves at once, eagerly, while the graphs compile on a
+    thread of their own; decode steps take the compiled path once they are ready, with the
+    same tokens."""
+    _, loaded = tiny_models(tiny_config("llama", vocab_size=512))
+    engine = Engine(
+        loaded, EngineConfig(kv_cache_tokens=2048, compile_decode=True, compile_max_batch=4)
+    )
+    assert engine.compiled is not None and not engine.compiled.ready
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_at_newline=False)
+    prompt = list(range(5, 17))
+    eager = engine.generate([GenerationRequest("before", prompt, params)])
+    assert engine.stats.compiled_steps == 0  # not compiled yet: every step eager
+    thread = engine.compiled.warm_up_in_background()
+    thread.join(timeout=600)
+    assert engine.compiled.ready
+    compiled = engine.generate([GenerationRequest("after", prompt, params)])
+    assert engine.stats.compiled_steps >= 11
+    assert compiled[0].token_ids == eager[0].token_ids
