@@ -69,14 +69,15 @@ def main() -> None:
     table["made_by"] = "python -m bench.quality_gate"
     models = table.setdefault("models", {})
     formats = args.formats.split(",")
-    if "float32" not in formats:
-        formats.insert(0, "float32")  # the reference the deltas are taken to
+    formats = ["float32"] + [f for f in formats if f != "float32"]  # the reference first
     for model in args.models.split(","):
         entry = models.setdefault(model, {})
-        results = {w: score_format(model, w, args.n) for w in formats}
-        reference = results["float32"].get("chrf")
-        for weights, result in results.items():
-            if reference and "chrf" in result and weights != "float32":
+        reference = None
+        for weights in formats:  # float32 first: the reference
+            result = score_format(model, weights, args.n)
+            if weights == "float32":
+                reference = result.get("chrf")
+            elif reference and "chrf" in result:
                 result["delta_chrf"] = {
                     p: round(result["chrf"][p] - reference[p], 2) for p in PAIRS
                 }
@@ -85,7 +86,8 @@ def main() -> None:
             result["machine"] = f"{info['cpu_model']}, load {info['loadavg']}"
             entry[weights] = result
             print(model, weights, json.dumps(result), flush=True)
-    args.out.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+            # after each format: a long run stopped midway keeps what it measured
+            args.out.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -158,9 +158,10 @@ def worker(
         bool,
         typer.Option(
             "--auto/--no-auto",
+            envvar="TOLK_AUTO",
             help="Pick the fastest weights / compiled decode that pass the quality gate, by a "
             "start-up probe cached on disk (workers/engine/autoprobe.py); flags still win. "
-            "--no-auto: eager float32 unless the flags say otherwise.",
+            "--no-auto (TOLK_AUTO=0): eager float32 unless the flags say otherwise.",
         ),
     ] = True,
     log_level: Annotated[str, typer.Option(help="Python logging level.")] = "INFO",
@@ -300,8 +301,9 @@ def worker(
     if settings.cache_enabled if cache is None else cache:  # outermost: a hit skips the rest
         from workers.cache_engine import with_translation_cache
 
+        dtype_part = f",dtype={chosen.dtype}" if chosen.dtype else ""  # bfloat16's own entries
         served = with_translation_cache(
-            served, settings, variant=f"quantize={chosen.quantize or ''}"
+            served, settings, variant=f"quantize={chosen.quantize or ''}{dtype_part}"
         )
     if drill_inject_latency or drill_inject_errors:  # outermost: every reply of the arm
         from workers.drill_engine import with_drills

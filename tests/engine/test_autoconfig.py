@@ -171,3 +171,56 @@ def test_auto_choice_loads_and_translates(tmp_path: Path, caplog: pytest.LogCapt
     )
     [result] = engine.generate([engine.translation_request("Good morning!", "en", "de")])
     assert result.ok and result.text.strip()
+
+
+@pytest.mark.parametrize(
+    "args, env, expected",
+    [
+        ([], {"TOLK_AUTO": "1"}, ("auto", None, None)),  # the default outside the tests
+        (["--quantize", "int8"], {"TOLK_AUTO": "1"}, ("auto", "int8", None)),
+        (["--no-compile-decode"], {"TOLK_AUTO": "1"}, ("auto", None, False)),
+        (["--no-auto"], {"TOLK_AUTO": "1"}, ("fixed", None, None)),
+        ([], {"TOLK_AUTO": "0"}, ("fixed", None, None)),
+    ],
+)
+def test_tolk_worker_builds_the_engine_the_resolution_chose(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    args: list[str],
+    env: dict[str, str],
+    expected: tuple[str, str | None, bool | None],
+) -> None:
+    from typer.testing import CliRunner
+
+    import workers.cli as cli
+    import workers.engine.autoprobe as autoprobe
+    import workers.serving.fair_engine as fair_engine
+    import workers.worker as worker_module
+    from tests.workers.test_cache_engine import FakeEngine, RecordingWorker
+
+    seen: list[tuple[str, str | None, bool | None]] = []
+    configs: list[object] = []
+
+    def resolve(model: str, *, device: str, quantize: str | None, compile_decode: bool | None,
+                auto: bool, cache_root: Path) -> Candidate:  # fmt: skip
+        seen.append(("auto" if auto else "fixed", quantize, compile_decode))
+        assert cache_root == tmp_path
+        return I8C
+
+    monkeypatch.setattr(cli, "_check_broker_or_exit", lambda settings: None)
+    monkeypatch.setattr(autoprobe, "resolve_worker_config", resolve)
+    monkeypatch.setattr(
+        fair_engine, "build_fair_engine", lambda c, *a, **k: configs.append(c) or FakeEngine()
+    )
+    monkeypatch.setattr(worker_module, "Worker", RecordingWorker)
+    RecordingWorker.engines = []
+    result = CliRunner().invoke(
+        cli.app,
+        ["worker", "--metrics-port", "0", "--no-cache", "--no-faithful", *args],
+        env={**env, "TOLK_CACHE_DIR": str(tmp_path)},
+    )
+    assert result.exit_code == 0, result.output
+    assert seen == [expected]
+    (config,) = configs
+    assert config.quantize == "int8" and config.compile_decode  # type: ignore[attr-defined]
+    assert config.compile_in_background  # type: ignore[attr-defined]

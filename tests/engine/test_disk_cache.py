@@ -152,3 +152,30 @@ def test_corrupt_checkpoint_is_converted_again_with_a_warning(
 
     with safe_open(str(target / "model.safetensors"), framework="pt") as st:
         assert list(st.keys()) == ["w"]  # readable again
+
+
+# -- the linear-backend probe's choices (linear_backends.use_disk_cache) ---------------------------
+def test_linear_probe_choices_persist_per_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.engine import linear_backends as lb
+
+    monkeypatch.setattr(lb, "_probed", {})
+    monkeypatch.setattr(lb, "ROUNDS", 1)
+    lb.use_disk_cache(tmp_path / "linear_backends.json")
+    try:
+        first = lb.probe_shape(24, 16)
+        monkeypatch.setattr(lb, "_probed", {})  # a new process
+
+        def no_timing(*args: object) -> None:
+            raise AssertionError("probed again although the choice is on disk")
+
+        monkeypatch.setattr(lb, "_time", no_timing)
+        again = lb.probe_shape(24, 16)
+        assert again.picks == first.picks and again.shape == (24, 16)
+        monkeypatch.setattr(lb, "_probed", {})
+        monkeypatch.setattr(lb, "cpu_fingerprint", lambda: "another CPU")
+        with pytest.raises(AssertionError, match="probed again"):
+            lb.probe_shape(24, 16)  # another key: measured again
+    finally:
+        lb.use_disk_cache(None)

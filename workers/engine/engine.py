@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.attention import AttentionMetadata
-from workers.engine import disk_cache
+from workers.engine import disk_cache, linear_backends
 from workers.engine.compiled import CompiledDecode
 from workers.engine.cuda_graphs import CudaGraphDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
@@ -172,6 +172,7 @@ class Engine:
         dtype = getattr(torch, config.dtype) if config.dtype else None
         root = disk_cache.cache_root(config.cache_dir)
         disk_cache.configure_compile_caches(root)  # before the C++ ops build, before compiling
+        linear_backends.use_disk_cache(root / "probes" / "linear_backends.json")
         loaded = load_model(
             config.model, dtype=dtype, device=config.device, cache_dir=root / "weights"
         )
