@@ -224,3 +224,16 @@ def test_tolk_worker_builds_the_engine_the_resolution_chose(
     (config,) = configs
     assert config.quantize == "int8" and config.compile_decode  # type: ignore[attr-defined]
     assert config.compile_in_background  # type: ignore[attr-defined]
+
+
+def test_a_stored_probe_is_reused_only_if_it_measured_what_can_be_chosen() -> None:
+    from workers.engine.autoprobe import _covers
+
+    gates = {"float32": PASS, "bfloat16": FAIL, "int8": PASS}
+    only_int8 = [Measurement(F32, None, None, "another format asked for"), *SPEEDS[2:]]
+    assert _covers(only_int8, gates, Overrides(weights="int8"))
+    assert not _covers(only_int8, gates, Overrides())  # float32 never measured: probe again
+    eager_only = SPEEDS[:3]
+    assert _covers(eager_only, gates, Overrides(compile_decode=False))
+    assert not _covers(eager_only, gates, Overrides())  # compiled decode never measured
+    assert _covers(SPEEDS, gates, Overrides())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -105,18 +106,31 @@ def probe(
         "and version; the result is kept in %s)",
         path,
     )
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus:
+        log.warning(
+            "auto config: the machine is busy (load %.1f on %d CPUs): the probe measures that "
+            "too; its ranking is kept in %s until the key changes (delete it to measure again)",
+            load, cpus, path,
+        )  # fmt: skip
     measured = _measure_all(model, gates, overrides, cache_root)
     write_record(path, key, [_to_json(m) for m in measured])
     return measured
 
 
 def _covers(got: list[Measurement], gates: dict[str, Gate], over: Overrides) -> bool:
-    """Whether a stored probe measured what these gates and flags can choose from."""
-    have = {m.candidate for m in got if m.score is not None}
+    """Whether a stored probe measured everything these gates and flags can choose from: every
+    eligible format eagerly, and compiled decode unless the flags rule it out (a format that
+    could not run counts as measured: it would fail again)."""
+    tried = {
+        m.candidate
+        for m in got
+        if m.score is not None or m.note.startswith(("unavailable", "failed"))
+    }
     wanted = [w for w in FORMATS if over.weights in (None, w) and (gates[w].passed or over.weights)]
-    return any(Candidate(w, c) in have for w in wanted for c in (False, True) if over.allows(
-        Candidate(w, c)
-    ))  # fmt: skip
+    if not all(Candidate(w, False) in tried for w in wanted):
+        return False
+    return over.compile_decode is False or any(c.compile_decode for c in tried)
 
 
 def _measure_all(
