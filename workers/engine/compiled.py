@@ -69,9 +69,10 @@ class CompiledDecode:
         # fullgraph, fail. Room for 32 engines.
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, MAX_GRAPHS)
-        # False until warm_up has compiled the graphs: until then the engine runs every step
-        # eagerly (a plain attribute, read by the engine thread, set once by the warm-up's)
-        self.ready = False
+        # whether decode steps may take the compiled path: True (compiled lazily on the first
+        # call, or by warm_up) unless a background warm-up is under way, during which every step
+        # stays eager (a plain attribute, read by the engine thread, set by the warm-up's)
+        self.ready = True
         self.background: threading.Thread | None = None
         self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
@@ -133,7 +134,7 @@ class CompiledDecode:
 
         def run() -> None:
             try:
-                self.warm_up(batch_sizes)
+                self.warm_up(batch_sizes)  # sets ready
             except Exception:  # the eager path still serves: say so, do not crash the worker
                 log.exception("compiling decode graphs failed: decode stays eager")
             finally:
@@ -144,6 +145,7 @@ class CompiledDecode:
             "they are ready (minutes the first time on a machine, less from the disk cache)",
             list(batch_sizes),
         )
+        self.ready = False  # eager until run() has compiled the graphs
         self.background = threading.Thread(target=run, name="tolk-compile", daemon=True)
         self.background.start()
         return self.background
