@@ -191,7 +191,7 @@ def choose(
         second = max(runner_up, key=lambda m: m.score or 0.0)
         versus = f", {(best.score or 0) / (second.score or 1):.2f}x {second.candidate.label}"
     reason = (
-        f"{best.candidate.label}: fastest passing the quality gate "
+        f"{best.candidate.label}: fastest that passes the quality gate or that the flags name "
         f"(sqrt(b1*b8) {best.score:.1f} tok/s{versus}; flags: {over.describe()})"
     )
     return Choice(best.candidate, reason, tuple(lines))
