@@ -12,6 +12,7 @@ terminal summary says when they did.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,12 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata
+
+# `tolk worker` picks its configuration by a start-up probe (workers/engine/autoprobe.py: model
+# loads and a compilation the first time on a machine). Tests that start workers (in process or
+# as subprocesses, which inherit this) keep the fixed eager float32 engine their timings assume;
+# tests of the auto configuration call it directly or set TOLK_AUTO themselves.
+os.environ.setdefault("TOLK_AUTO", "0")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

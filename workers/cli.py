@@ -186,11 +186,29 @@ def worker(
         typer.Option(help="On CUDA: decode steps as CUDA graphs, checked at start."),
     ] = True,
     quantize: Annotated[
-        str | None, typer.Option(help="'int8': weight-only int8 projections (CPU: tolk's kernel).")
+        str | None,
+        typer.Option(
+            help="Weights: 'none' (float32), 'bfloat16' or 'int8' (weight-only, tolk's CPU "
+            "kernel). Default: the auto configuration's choice."
+        ),
     ] = None,
     compile_decode: Annotated[
-        bool, typer.Option(help="Small decode steps through torch.compile (~1-2 min at start).")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--compile-decode/--no-compile-decode",
+            help="Small decode steps through torch.compile. Default: the auto choice.",
+        ),
+    ] = None,
+    auto: Annotated[
+        bool,
+        typer.Option(
+            "--auto/--no-auto",
+            envvar="TOLK_AUTO",
+            help="Pick the fastest weights / compiled decode that pass the quality gate, by a "
+            "start-up probe cached on disk (workers/engine/autoprobe.py); flags still win. "
+            "--no-auto (TOLK_AUTO=0): eager float32 unless the flags say otherwise.",
+        ),
+    ] = True,
     log_level: Annotated[
         str, typer.Option(help="debug|info|warning|error|critical (warn, crit: the same)")
     ] = "info",
@@ -278,7 +296,7 @@ def worker(
             f"one of {', '.join(device_select.DEVICES)}", param_hint="--device"
         )
     try:
-        device_select.choose_device(
+        resolved_device, _ = device_select.choose_device(
             device, device_select.cuda_problem() if device != "cpu" else None
         )
     except device_select.DeviceUnavailable as exc:
@@ -301,16 +319,31 @@ def worker(
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
 
+    from workers.engine.autoprobe import resolve_worker_config
+    from workers.engine.disk_cache import cache_root, configure_compile_caches
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
+
+    root = cache_root(settings.cache_dir)
+    configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
+    try:
+        chosen = resolve_worker_config(
+            settings.model, device=resolved_device, quantize=quantize,
+            compile_decode=compile_decode, auto=auto, cache_root=root,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--quantize") from None
     from workers.worker import Worker
 
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
     engine_config = EngineConfig(
         model=settings.model,
         device=device,
-        quantize=quantize,
-        compile_decode=compile_decode,
+        dtype=chosen.dtype,
+        quantize=chosen.quantize,
+        compile_decode=chosen.compile_decode,
+        compile_in_background=True,  # consume at once, eager until the graphs are ready
+        cache_dir=str(root),
         warm_languages=tuple(settings.languages),
         max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
     )
@@ -329,6 +362,10 @@ def worker(
     )
     from workers.engine_chain import ChainOptions, compose_served
 
+    final = selection.config  # the translation cache keeps each weight format's answers apart
+    dtype_part = f",dtype={final.dtype}" if final.dtype else ""
+    cache_variant = f"quantize={final.quantize or ''}{dtype_part}"
+
     # the wrappers' order (which one sees which request) is workers/engine_chain.py's
     served = compose_served(
         engine,
@@ -341,7 +378,7 @@ def worker(
             max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
             protect_spans=protect_spans,
             cache=settings.cache_enabled if cache is None else cache,
-            cache_variant=f"quantize={quantize or ''}",
+            cache_variant=cache_variant,
             drill_latency=tuple(drill_inject_latency or ()),
             drill_errors=tuple(drill_inject_errors or ()),
             context=context,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,7 @@ from workers.ports import DEFAULT_METRICS_PORT, open_server
 __all__ = [
     "enable_crash_dumps",
     "install_stop_signals",
+    "seconds_since_process_start",
     "start_metrics_server",
     "worker_registry",
 ]
@@ -112,3 +114,17 @@ def worker_registry() -> CollectorRegistry:
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return registry
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux /proc; None elsewhere): the start-up time
+    the worker logs when it begins consuming (imports, model load, compilation included)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5), counted after the comm field
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))

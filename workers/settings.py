@@ -41,6 +41,9 @@ Environment variables (all optional):
     TOLK_CACHE                exact-match translation cache (workers/cache_engine.py); 0 = off  1
     TOLK_CACHE_L1_ENTRIES     L1 (in the worker) entries, shared equally by the languages  20000
     TOLK_CACHE_TTL            L2 (redis) TTL tiers, lang:seconds,...,*:seconds   *:86400
+    TOLK_CACHE_DIR            what a worker computes once per machine: dequantized weights,
+                              compiled graphs, the auto configuration's probe
+                              (workers/engine/disk_cache.py)   $XDG_CACHE_HOME/tolk or ~/.cache/tolk
     TOLK_SECURITY_PROTOCOL / TOLK_SASL_MECHANISM / TOLK_SASL_USERNAME / TOLK_SASL_PASSWORD
     TOLK_SSL_CA_LOCATION      CA file that signed the broker certificate (SSL / SASL_SSL)
     TOLK_SSL_ENDPOINT_IDENTIFICATION  0 = do not check the broker's host name (default: check)
@@ -137,6 +140,7 @@ class Settings:
     context_tokens: int = 256  # `--context`: history token budget per prompt (workers/context.py)
     context_idle_s: float = 600.0  # `--context`: a conversation's history kept this long idle
     context_layout: str = DEFAULT_LAYOUT  # `--context`: the turns shown (workers/context.py)
+    cache_dir: str = ""  # TOLK_CACHE_DIR; "" = $XDG_CACHE_HOME/tolk or ~/.cache/tolk
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -258,6 +262,7 @@ class Settings:
             "SASL_USERNAME": "sasl_username",
             "SASL_PASSWORD": "sasl_password",
             "SSL_CA_LOCATION": "ssl_ca_location",
+            "CACHE_DIR": "cache_dir",
         }
         for env_name, attr in text_fields.items():
             value = get(env_name)

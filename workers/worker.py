@@ -78,7 +78,12 @@ from workers.kafka_config import (
 )
 from workers.metrics import WorkerMetrics
 from workers.partitions import PartitionState
-from workers.process_hooks import install_stop_signals, start_metrics_server, worker_registry
+from workers.process_hooks import (
+    install_stop_signals,
+    seconds_since_process_start,
+    start_metrics_server,
+    worker_registry,
+)
 from workers.record_intake import RecordIntake
 from workers.records import InFlight
 from workers.replies import STATUS_OF
@@ -239,7 +244,14 @@ class Worker:
                 on_lost=self._on_lost,
             )
             self.subscribed_event.set()
-            log.info("worker %s consuming %s", self.settings.worker_id, sorted(self.topic_lang))
+            up, cpu = seconds_since_process_start(), time.process_time()
+            log.info(
+                "worker %s consuming %s (%s since process start, %.1fs of CPU)",
+                self.settings.worker_id,
+                sorted(self.topic_lang),
+                "?" if up is None else f"{up:.1f}s",
+                cpu,  # with `up`: how much of the start-up was waiting for a busy machine
+            )
             try:
                 while not stop.is_set() and not self._crash:
                     self._iteration()

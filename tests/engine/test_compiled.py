@@ -77,3 +77,37 @@ def test_int8_compiled_engine_stays_close_to_float32(smollm2: Any) -> None:
     same_start = sum(g[:4] == r[:4] for g, r in zip(got, reference, strict=True))
     assert same_start >= 4, (got, reference)
     assert all(len(g) > 2 for g in got)
+
+
+def test_background_compile_serves_eagerly_until_ready(tiny_config: Any, tiny_models: Any):
+    """The worker's start: the engine serves at once, eagerly, while the graphs compile on a
+    thread of their own; decode steps take the compiled path once they are ready, with the
+    same tokens."""
+    import threading
+
+    _, loaded = tiny_models(tiny_config("llama", vocab_size=512))
+    engine = Engine(
+        loaded, EngineConfig(kv_cache_tokens=2048, compile_decode=True, compile_max_batch=4)
+    )
+    compiled = engine.compiled
+    assert compiled is not None
+    release = threading.Event()  # holds the compilation back until the eager run is done
+    real_warm_up = compiled.warm_up
+
+    def held_warm_up(batch_sizes: Any = (1, 2)) -> float:
+        release.wait(timeout=600)
+        return real_warm_up(batch_sizes)
+
+    compiled.warm_up = held_warm_up  # type: ignore[method-assign]
+    thread = compiled.warm_up_in_background()
+    assert not compiled.ready
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_at_newline=False)
+    prompt = list(range(5, 17))
+    eager = engine.generate([GenerationRequest("before", prompt, params)])
+    assert engine.stats.compiled_steps == 0  # still compiling: every step eager
+    release.set()
+    thread.join(timeout=1800)  # minutes on a busy 2-core machine
+    assert compiled.ready
+    after = engine.generate([GenerationRequest("after", prompt, params)])
+    assert engine.stats.compiled_steps >= 11
+    assert after[0].token_ids == eager[0].token_ids

@@ -45,3 +45,17 @@ def test_metrics_server_off_for_port_zero_and_registry_has_process_metrics() -> 
     Counter("probe_total", "a probe", registry=registry).inc()
     names = {m.name for m in registry.collect()}
     assert "probe" in names and "process_cpu_seconds" in names
+
+
+def test_seconds_since_process_start_counts_from_the_process_not_the_import() -> None:
+    """The start-up time the worker logs: a child process that sleeps before asking reports at
+    least that sleep (time since the process began, not since the call)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time; time.sleep(1.5); "
+        "from workers.process_hooks import seconds_since_process_start as s; print(s())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert 1.4 <= float(out.stdout.strip()) < 120

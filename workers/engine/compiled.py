@@ -14,6 +14,10 @@ is computed in the graph too.
 SmolLM2-135M, batch 1, 2 cores (tokens/s in bench/engine.py): eager float32 27.8, compiled
 float32 40.2, compiled with int8 weights ~100 (docs/BENCHMARKS.md).
 
+`warm_up` compiles at start-up before the engine serves (benchmarks, tests); the worker calls
+`warm_up_in_background` instead (`EngineConfig.compile_in_background`): it serves every step
+eagerly until the graphs are ready, then decode steps switch to them.
+
 The engine uses it for decode-only steps of at most `max_batch` sequences (`EngineConfig.
 compile_decode`); prefill and mixed steps, and larger decode batches (where the eager path's
 cascade attention reads a shared language prefix once), stay eager. Results are the same
@@ -25,6 +29,7 @@ against transformers (tiny Llama and Gemma 3) and the eager engine (SmolLM2's re
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -34,6 +39,7 @@ from torch import Tensor
 from kernels import cpu_ops
 from kernels.attention import DecodeBatch
 from workers.engine.model import Transformer
+from workers.engine.threads import release_openmp_pool
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,11 @@ class CompiledDecode:
         # fullgraph, fail. Room for 32 engines.
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, MAX_GRAPHS)
+        # whether decode steps may take the compiled path: True (compiled lazily on the first
+        # call, or by warm_up) unless a background warm-up is under way, during which every step
+        # stays eager (a plain attribute, read by the engine thread, set by the warm-up's)
+        self.ready = True
+        self.background: threading.Thread | None = None
         self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
         )
@@ -75,8 +86,8 @@ class CompiledDecode:
         return logits, logits.argmax(dim=-1)  # the argmax fused in the graph (greedy rows)
 
     def applies(self, batch_size: int) -> bool:
-        """Whether a decode-only step of this many sequences runs compiled."""
-        return 0 < batch_size <= self.max_batch
+        """Whether a decode-only step of this many sequences runs compiled (once compiled)."""
+        return self.ready and 0 < batch_size <= self.max_batch
 
     def __call__(
         self,
@@ -106,5 +117,35 @@ class CompiledDecode:
                 tables = {group: [[0]] * b for group in self.windows}
                 self([0] * b, [0] * b, tables)
         seconds = time.perf_counter() - t0
+        self.ready = True
         log.info("compiled decode graphs for batch sizes %s in %.1fs", list(batch_sizes), seconds)
         return seconds
+
+    def warm_up_in_background(self, batch_sizes: Sequence[int] = (1, 2)) -> threading.Thread:
+        """`warm_up` on a thread of its own: the engine serves eagerly meanwhile and takes the
+        compiled path from the first step after `ready` (a start that consumes at once and gets
+        faster, instead of one that waits for the compiler).
+
+        The warm-up forward writes only the null block 0 of the pools bound to the model, which
+        no request reads unmasked, so it does not take the prepared model's lock (holding it
+        would stall the engine for the whole compilation); the model's forward keeps no state.
+        Dynamo's frame hook and the dispatch modes of tracing are per thread, so the engine
+        thread's eager steps are not traced. A failed compilation leaves the engine eager."""
+
+        def run() -> None:
+            try:
+                self.warm_up(batch_sizes)  # sets ready
+            except Exception:  # the eager path still serves: say so, do not crash the worker
+                log.exception("compiling decode graphs failed: decode stays eager")
+            finally:
+                release_openmp_pool()  # this thread's OpenMP pool (workers/engine/threads.py)
+
+        log.info(
+            "compiling decode graphs in the background (batch sizes %s): serving eagerly until "
+            "they are ready (minutes the first time on a machine, less from the disk cache)",
+            list(batch_sizes),
+        )
+        self.ready = False  # eager until run() has compiled the graphs
+        self.background = threading.Thread(target=run, name="tolk-compile", daemon=True)
+        self.background.start()
+        return self.background

@@ -186,10 +186,12 @@ Checker = Callable[[LoadedModel, EngineConfig], CheckResult]
 
 
 def load_for(config: EngineConfig) -> LoadedModel:
+    from workers.engine import disk_cache
     from workers.engine.loader import load_model
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    return load_model(config.model, dtype=dtype, device=config.device)
+    weights = disk_cache.cache_root(config.cache_dir) / "weights"
+    return load_model(config.model, dtype=dtype, device=config.device, cache_dir=weights)
 
 
 def select_engine_config(

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from workers.engine import disk_cache, linear_backends
 from workers.engine.compiled import CompiledDecode
 from workers.engine.cuda_graphs import CudaGraphDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
@@ -171,17 +172,25 @@ class Engine(ModelStep):  # the forward paths: workers/engine/forward.py
     def from_config(
         cls, config: EngineConfig, loaded: LoadedModel | None = None, **kwargs: object
     ) -> Engine:
-        """Load `config.model` (or take `loaded`, already on `config.device`: the device
-        selection's checked model, workers/engine/device_select.py), prepare, warm, capture."""
+        """Load `config.model` through the disk cache (or take `loaded`, already on
+        `config.device`: the device selection's checked model, workers/engine/device_select.py),
+        prepare, warm, capture."""
+        root = disk_cache.cache_root(config.cache_dir)
+        disk_cache.configure_compile_caches(root)  # before the C++ ops build, before compiling
+        linear_backends.use_disk_cache(root / "probes" / "linear_backends.json")
         if loaded is None:
             dtype = getattr(torch, config.dtype) if config.dtype else None
-            loaded = load_model(config.model, dtype=dtype, device=config.device)
+            loaded = load_model(
+                config.model, dtype=dtype, device=config.device, cache_dir=root / "weights"
+            )
         prepared = prepare_model(loaded, config.preparation)  # the swaps, once
         engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
         warm = [lang for lang in config.warm_languages if lang in engine.languages]
         if warm:
             engine.warm(warm)  # synchronous: the loop thread is not running yet
-        if engine.compiled is not None:
+        if engine.compiled is not None and config.compile_in_background:
+            engine.compiled.warm_up_in_background()  # eager until ready (compiled.py)
+        elif engine.compiled is not None:
             with prepared.bound(engine.kv_pools):  # warm-up writes the null block of its pools
                 engine.compiled.warm_up()
             release_openmp_pool()

@@ -24,9 +24,12 @@ class EngineConfig:
     device: str = "cpu"
     quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
     # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
-    # two graphs compiled at start-up: ~3 min the first time, ~40 s from inductor's disk cache
+    # two graphs compiled at start-up: ~3 min the first time, then from inductor's disk cache
     compile_decode: bool = False
     compile_max_batch: int = 8
+    # compile those graphs on a background thread while the engine serves eagerly (the worker:
+    # it consumes at once and gets faster when they are ready); False: before serving
+    compile_in_background: bool = False
     # CUDA only, ignored elsewhere: the Triton kernels swapped into the model
     # (workers/engine/triton_swaps.py), and decode-only steps of up to max_num_seqs sequences
     # replayed as CUDA graphs per batch-size bucket (workers/engine/cuda_graphs.py; with
@@ -51,6 +54,9 @@ class EngineConfig:
     prompt_form: str | None = None
     warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
     model_version: str = ""  # the A/B arm name on replies; default: model name
+    # what is computed once per machine (dequantized weights, inductor's caches, the C++ ops'
+    # build): workers/engine/disk_cache.py; None: TOLK_CACHE_DIR or ~/.cache/tolk
+    cache_dir: str | None = None
 
     @property
     def preparation(self) -> Preparation:

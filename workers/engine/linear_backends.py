@@ -19,7 +19,9 @@ backend wins depends on the CPU, the weight's shape and the row count, so nothin
   and then timed: `ROUNDS` interleaved rounds, the minimum per backend (the least disturbed by
   a busy machine). The fastest wins unless it beats `aten` by less than `MIN_GAIN`, so a
   packed copy is kept only where it pays. One probe per distinct shape per process (a model's
-  30 layers share 4-5 shapes), ~0.1-0.5 s each.
+  30 layers share 4-5 shapes), ~0.1-0.5 s each; with `use_disk_cache(path)` (the engine sets
+  it under its cache root) the choices persist, keyed by the CPU and torch, and a later process
+  reads them instead of probing.
 - `ProbedLinear`: one projection with its per-bucket choice; it keeps only the packed copies its
   choices use. Inside `torch.compile` it is plain `F.linear` (inductor packs weights its own way).
 
@@ -36,10 +38,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from workers.engine.disk_cache import cpu_fingerprint, read_record, record_key, write_record
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +98,45 @@ class ShapeChoice:
 
 _probed: dict[tuple[int, int], ShapeChoice] = {}
 _probe_lock = threading.Lock()
+_disk: Path | None = None  # where probed choices persist across processes (use_disk_cache)
+
+
+def use_disk_cache(path: Path | None) -> None:
+    """Keep the probes' choices in a keyed record at `path` (`disk_cache.write_record`): a later
+    process on the same CPU (model name, flags, core count) and torch reads a shape's choice
+    instead of probing it again. None: probe in every process."""
+    global _disk
+    _disk = path
+
+
+def _disk_key() -> str:
+    return record_key(cpu=cpu_fingerprint(), torch=torch.__version__, backends=available_backends())
+
+
+def _stored(key: tuple[int, int]) -> ShapeChoice | None:
+    if _disk is None:
+        return None
+    entry = (read_record(_disk, _disk_key()) or {}).get(f"{key[0]}x{key[1]}")
+    if not isinstance(entry, dict):
+        return None
+    try:
+        micros = {b: tuple(float(t) for t in ts) for b, ts in entry["micros"].items()}
+        picks = tuple(str(p) for p in entry["picks"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if len(picks) != len(ROW_BUCKETS) or not set(picks) <= set(available_backends()):
+        return None
+    return ShapeChoice(key, picks, micros)
+
+
+def _store(choice: ShapeChoice) -> None:
+    if _disk is None:
+        return
+    key = _disk_key()
+    table = read_record(_disk, key) or {}
+    n, k = choice.shape
+    table[f"{n}x{k}"] = {"picks": list(choice.picks), "micros": choice.micros}
+    write_record(_disk, key, table)
 
 
 def _matches(got: Tensor, x: Tensor, weight: Tensor) -> bool:
@@ -107,6 +151,10 @@ def probe_shape(n: int, k: int, backends: tuple[str, ...] | None = None) -> Shap
     with _probe_lock:
         if key in _probed and backends is None:
             return _probed[key]
+        stored = _stored(key) if backends is None else None
+        if stored is not None:  # probed by an earlier process on this CPU and torch
+            _probed[key] = stored
+            return stored
         gen = torch.Generator().manual_seed(n * 131 + k)
         weight = torch.randn(n, k, generator=gen) / k**0.5
         kernels: dict[str, Kernel] = {}
@@ -134,6 +182,7 @@ def probe_shape(n: int, k: int, backends: tuple[str, ...] | None = None) -> Shap
         choice = ShapeChoice(key, tuple(picks), micros)
         if backends is None:
             _probed[key] = choice
+            _store(choice)
         return choice
 
 

