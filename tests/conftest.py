@@ -7,6 +7,14 @@ are marked `slow`. `data_dir` is `replay.datasets.data_dir()` (the repository's 
 $TOLK_DATA_DIR); missing data fails the test, it never skips. The Kafka and redis fixtures
 live in `tests/kafka_fixtures.py` (they start the local stack when it is not running); the
 terminal summary says when they did.
+
+The suite runs in parallel under pytest-xdist (`-n` in pyproject's addopts, `--dist
+loadgroup`): each worker process is a pytest session of its own, so the session fixtures (the
+models above) load once per worker that needs them. What must not be split or run side by side
+gets one `xdist_group` (`SERIAL_GROUPS`, given out at collection): tests of one group run on one
+worker, one after the other. Each worker sets torch's intra-op threads to its share of the CPUs
+(`worker_threads`): two workers of two threads each on two cores would spin against each
+other.
 """
 
 from __future__ import annotations
@@ -29,14 +37,104 @@ from kernels.attention import AttentionMetadata
 # tests of the auto configuration call it directly or set TOLK_AUTO themselves.
 os.environ.setdefault("TOLK_AUTO", "0")
 
+# (group, why, fixtures, test files under tests/): a test that uses one of the fixtures or lives
+# in one of the files is in the group, and the tests of a group go to one xdist worker.
+SERIAL_GROUPS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        "triton-interpreter",
+        "one TRITON_INTERPRET=1 child runs every triton case of the session "
+        "(tests/kernels/triton_interpreter.py); split, each worker would run it whole",
+        (),
+        ("kernels/test_triton_",),
+    ),
+    (
+        "fault-stack",
+        "one private Kafka + redis per session (tests/faults/conftest.py) on ports probed from "
+        "19092 / 16379; the tests stop and break it",
+        ("fault_stack",),
+        (),
+    ),
+    (
+        "secure-stack",
+        "one SASL_SSL stack per module on ports probed from 29092 / 26379",
+        ("secure_stack",),
+        (),
+    ),
+    (
+        "private-redis",
+        "redis-servers of their own on ports probed from 36379 / 36380: probed at the same "
+        "time, two tests would pick the same port",
+        (),
+        (
+            "workers/test_store_outage.py",
+            "workers/test_cache_outage.py",
+            "compose/test_stack_redis_bounded.py",
+        ),
+    ),
+)
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def serial_group(path: Path, fixturenames: Sequence[str] = ()) -> str | None:
+    """The `SERIAL_GROUPS` group of a test (its file, the fixtures it uses), or None."""
+    try:
+        rel = path.resolve().relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        rel = ""
+    for name, _why, fixtures, files in SERIAL_GROUPS:
+        if any(f in fixturenames for f in fixtures) or any(rel.startswith(f) for f in files):
+            return name
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = serial_group(Path(item.path), getattr(item, "fixturenames", ()))
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def worker_threads(cpus: int | None, workers: int) -> int:
+    """Torch intra-op threads for one of `workers` processes on `cpus` CPUs (at least 1)."""
+    return max(1, (cpus or 1) // max(1, workers))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # set in xdist's worker processes only
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        torch.set_num_threads(worker_threads(os.cpu_count(), workers))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker tells the controller that it started the stack (the controller's
+    terminal summary says so)."""
+    from tests.kafka_fixtures import session_stack_start
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    start = session_stack_start()
+    if workeroutput is not None and start is not None and start.ok:
+        workeroutput["tolk_stack_started"] = True
+
+
+_workers_started_stack: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: note a worker that started the stack."""
+    if getattr(node, "workeroutput", {}).get("tolk_stack_started"):
+        _workers_started_stack.append(str(node.gateway.id))
+
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Say so when the session started the local stack (`tests/kafka_fixtures.py`): it is
-    left running for the next run."""
+    """Say so when the session (or one of its xdist workers) started the local stack
+    (`tests/kafka_fixtures.py`): it is left running for the next run."""
     from tests.kafka_fixtures import STACK_LEFT_RUNNING, session_stack_start
 
     start = session_stack_start()
-    if start is not None and start.ok:
+    if (start is not None and start.ok) or _workers_started_stack:
         terminalreporter.write_line(f"tolk: {STACK_LEFT_RUNNING}")
 
 

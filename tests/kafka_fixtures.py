@@ -11,7 +11,11 @@ The fixtures make ``python -m pytest`` work from a fresh clone without a separat
 when the first test that needs a service finds it unreachable on loopback, they run
 ``bash compose/stack.sh up`` once for the whole session (it installs redis-server with
 apt-get and gathers the Kafka jars with mvn when they are missing, then waits until both
-answer) and check again. A stack started this way is left running for the next session (a log
+answer) and check again. The start holds a file lock (`stack_lock_path`): the suite runs in
+several pytest-xdist worker processes, each a session of its own, and only one of them may run
+the script at a time (the script's own lock waits 300 s at most, and a first start with
+apt-get and mvn can take longer); the next finds the services up and the script returns at
+once. A stack started this way is left running for the next session (a log
 line and the terminal summary say so; stop it with ``bash compose/stack.sh down``); one that
 was already running is used as it is. ``TOLK_START_STACK=0`` turns the start off.
 
@@ -23,10 +27,12 @@ addresses (on their ports).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,10 +96,24 @@ def _redis_address() -> str:
     return os.environ.get("TOLK_REDIS_URL", DEFAULT_REDIS_URL)
 
 
+def stack_lock_path(kafka_port: int, redis_port: int) -> Path:
+    """The lock file that one ``stack.sh up`` on these ports holds while it runs."""
+    return Path(tempfile.gettempdir()) / f"tolk-stack-up-{kafka_port}-{redis_port}.lock"
+
+
 def run_stack_up(kafka_port: int, redis_port: int) -> StackStart:
-    """``bash compose/stack.sh up`` with the given loopback ports; waits until both answer."""
+    """``bash compose/stack.sh up`` with the given loopback ports; waits until both answer.
+    One process at a time (an exclusive `flock` on `stack_lock_path`): two concurrent starts
+    would both launch a broker on the same port; the second one, once it holds the lock, finds
+    both services answering and returns at once."""
     if not _env_flag("TOLK_START_STACK", True):
         return StackStart(False, "not tried, TOLK_START_STACK=0")
+    with stack_lock_path(kafka_port, redis_port).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _run_stack_script(kafka_port, redis_port)
+
+
+def _run_stack_script(kafka_port: int, redis_port: int) -> StackStart:
     env = os.environ | {
         "TOLK_KAFKA_PORT": str(kafka_port),
         "TOLK_REDIS_PORT": str(redis_port),

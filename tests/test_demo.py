@@ -7,7 +7,8 @@ from importlib import resources
 
 import pytest
 
-from tests.kafka_fixtures import kafka_bootstrap, redis_url  # noqa: F401
+from tests.kafka_fixtures import kafka_bootstrap, redis_url, unique_name  # noqa: F401
+from workers import demo
 from workers.demo import load_sample, main, pick_messages
 
 
@@ -43,6 +44,11 @@ def test_demo_runs_end_to_end_on_the_stack(
 ) -> None:
     monkeypatch.setenv("TOLK_BOOTSTRAP", kafka_bootstrap)
     monkeypatch.setenv("TOLK_REDIS_URL", redis_url)
+    # Topics, group and probe port of this run only: `tolk demo` has fixed ones, and another
+    # run on the shared broker (a second session, a person's demo) would share its group.
+    monkeypatch.setattr(demo, "DEMO_PREFIX", unique_name("demo") + ".")
+    monkeypatch.setattr(demo, "DEMO_GROUP", unique_name("tolk-demo"))
+    monkeypatch.setenv("TOLK_HEALTH_PORT", "0")
     lines: list[str] = []
     rc = main(model="smollm2-135m", count=8, languages=["de", "en", "fr"], echo=lines.append)
     out = "\n".join(lines)

@@ -87,3 +87,35 @@ def test_services_required_reads_the_flag(monkeypatch, value, expected):
 
     monkeypatch.setenv("TOLK_REQUIRE_SERVICES", value)
     assert services_required() is expected
+
+
+def test_stack_starts_never_overlap(tmp_path, monkeypatch):
+    """Two sessions (xdist workers) that find the stack down at the same time run
+    `stack.sh up` one after the other, never at once (the file lock of `run_stack_up`)."""
+    import tempfile
+    import threading
+
+    from tests import kafka_fixtures
+
+    script = tmp_path / "stack.sh"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        f"mkdir {tmp_path}/running 2>/dev/null || echo overlap >> {tmp_path}/log\n"
+        "sleep 0.5\n"
+        f"rmdir {tmp_path}/running 2>/dev/null\n"
+        f"echo done >> {tmp_path}/log\n"
+    )
+    monkeypatch.setattr(kafka_fixtures, "STACK_SCRIPT", script)
+    monkeypatch.setenv("TOLK_START_STACK", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the lock file goes there
+    ports = (closed_port(), closed_port())
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(run_stack_up(*ports))) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [r.ok for r in results] == [True, True, True]
+    assert (tmp_path / "log").read_text().split() == ["done", "done", "done"]

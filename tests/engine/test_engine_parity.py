@@ -1,12 +1,18 @@
 """Engine parity on real weights: tolk's tokens == transformers' greedy tokens.
 
-For each model, 32 translation prompts built from data/ (several language pairs), 48 new
+For each model, 16 translation prompts built from data/ (several language pairs), 32 new
 tokens, float32:
 - batch 1 through the engine with the prefix cache on (the per-language prefix is warm, so only
   the request's own tokens are prefilled): every prompt equal to transformers at batch 1;
 - the same prompts with the prefix cache off: equal too (cached path == uncached path);
-- all 32 through continuous batching with staggered arrivals: >= 30 of 32 equal, and every
-  divergence is at a near-tie of the reference logits (the gap is reported).
+- all 16 through continuous batching with staggered arrivals (more than 8 in one batch): at
+  most 1 in 16 differs, and every divergence is at a near-tie of the reference logits (the gap
+  is reported).
+
+Size: until 2026-12-02 the test ran 32 prompts x 48 tokens (each batch-1 token decoded three
+times: twice by the engine, once by transformers: 4,608 per model); 16 x 32 covers the same
+paths (six language pairs, a warm and a cold prefix, a running batch of more than 8 that new
+requests join) with a third of the tokens.
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ from workers.engine.types import GenerationRequest
 
 pytestmark = pytest.mark.slow
 
-N_PROMPTS = 32
-NEW_TOKENS = 48
+N_PROMPTS = 16
+NEW_TOKENS = 32
 # Logit gap (reference top-1 minus top-2) under which a batched-GEMM divergence is acceptable.
 # A batch can flip the greedy token only where the gap is at most |d top1| + |d top2| <= 2 E,
 # E the largest float32 logit difference between the batched run and the reference. Measured
-# once (float32, CPU, 1 thread, both models, this test's 32 prompts x 48 tokens: every
+# once (float32, CPU, 1 thread, both models, 32 prompts x 48 tokens, the test's size then: every
 # position of the staggered batch compared with the engine at batch 1 and with transformers'
 # `generate` logits, max abs over the vocab): SmolLM2 batched vs batch-1 1.6e-4, vs
 # transformers 1.4e-4; Gemma 3 7.3e-5 and 7.9e-5. Neither model diverged anywhere (0/32 each),
@@ -123,8 +129,9 @@ def _check(name: str, loaded: Any, ref: Any) -> None:
             )
             gap = _gap_at(ref, prompts[i], expected[i], pos)
             report.append((i, pos, float(f"{gap:.3g}")))
-    print(f"{name}: continuous batching diverged on {len(report)}/32 (prompt, pos, gap): {report}")
-    assert len(report) <= 2, f"{name}: too many divergences {report}"
+    print(f"{name}: continuous batching diverged on {len(report)}/{N_PROMPTS} (prompt, pos, gap): "
+          f"{report}")  # fmt: skip
+    assert len(report) <= N_PROMPTS // 16, f"{name}: too many divergences {report}"
     assert all(gap < NEAR_TIE for _, _, gap in report), f"{name}: not near-ties {report}"
 
 

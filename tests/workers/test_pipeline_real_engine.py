@@ -1,6 +1,6 @@
 """The whole path with the real engine: Kafka -> worker -> SmolLM2 -> reply topic.
 
-400 requests across de, fr, es, it (English sources from Tatoeba and the agents' turns of
+160 requests across de, fr, es, it (English sources from Tatoeba and the agents' turns of
 BConTrasT) go through a worker thread on the real broker; each must be answered exactly once,
 and each reply's text must equal what the same engine produces for the same input when driven
 directly (`engine.generate`, after the worker stopped).
@@ -8,7 +8,9 @@ directly (`engine.generate`, after the worker stopped).
 Numerics: the worker's replies come from continuous batches whose composition depends on
 arrival timing; the direct pass uses fixed batches. A batched GEMM can differ from another
 batch shape in the last bits, so greedy decoding may in principle diverge at a near-tie. The
-test asserts exact equality (it held on every run here: 400/400); if it ever fails, the message
+test asserts exact equality (it held on every run here: 400/400 when the test sent 400, until
+2026-12-02; 160 still make batches of 32 and more on the worker's side, in four languages, for
+40 % of the tokens); if it ever fails, the message
 lists the mismatches and the batch-1 output of each, which says whether it is a near-tie (the
 batch-1 text agrees with one of the two) or a real bug.
 """
@@ -36,7 +38,8 @@ from workers.worker import Worker
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]
 
 LANGS = ("de", "fr", "es", "it")
-PER_LANG = 100
+PER_LANG = 40
+N_REQUESTS = PER_LANG * len(LANGS)
 MAX_NEW_TOKENS = 24
 
 
@@ -59,7 +62,7 @@ def policies(max_new_tokens: int) -> dict[str, LanguagePolicy]:
     return {lang: LanguagePolicy(1.0, 10.0, 256, max_new_tokens) for lang in LANGS}
 
 
-def test_400_requests_answered_once_with_the_engines_own_output(
+def test_requests_answered_once_with_the_engines_own_output(
     smollm2: Any, kafka_bootstrap: str, redis_url: str
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}."
@@ -107,14 +110,14 @@ def test_400_requests_answered_once_with_the_engines_own_output(
                 producer.produce(prefix + request_topic(lang), value=value, key=rid.encode())
                 producer.poll(0)
         assert producer.flush(30) == 0
-        assert len(inputs) == 400
-        wait_for(lambda: len(replies) >= 400, timeout=900, what="400 replies")
+        assert len(inputs) == N_REQUESTS
+        wait_for(lambda: len(replies) >= N_REQUESTS, timeout=900, what=f"{N_REQUESTS} replies")
         time.sleep(2.0)  # a duplicate would show up now
         got: dict[str, list[dict[str, Any]]] = {}
         for v in replies.values():
             r = decode_result(v)
             got.setdefault(r["request_id"], []).append(r)
-        assert len(replies) == 400
+        assert len(replies) == N_REQUESTS
         assert set(got) == set(inputs)
         assert all(len(v) == 1 for v in got.values())
         bad = {rid: v[0] for rid, v in got.items() if v[0]["status"] != "OK"}
@@ -153,4 +156,4 @@ def test_400_requests_answered_once_with_the_engines_own_output(
                 f"{rid}: kafka={got[rid][0]['text']!r} batched={direct[rid]!r} "
                 f"batch1={alone.text!r}"
             )
-        pytest.fail(f"{len(mismatched)}/400 texts differ:\n" + "\n".join(detail))
+        pytest.fail(f"{len(mismatched)}/{N_REQUESTS} texts differ:\n" + "\n".join(detail))
