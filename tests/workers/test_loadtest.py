@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,24 @@ def test_summary_uses_ok_replies_only_and_counts_every_status(tmp_path: Path) ->
     by_lang = {r["lang"]: r for r in summary["languages"]}
     assert by_lang["it"]["sent"] == 0 and by_lang["it"]["p50_ms"] is None
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4  # header + 3 languages
+
+
+def test_importing_the_locust_user_leaves_threading_unpatched() -> None:
+    """Any module of workers.loadtest may import locust: gevent must not patch the process
+    (under pytest-xdist a patched `threading` broke the worker's queue)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ.pop('LOCUST_SKIP_MONKEY_PATCH', None)\n"
+        "import workers.loadtest.locustfile\n"
+        "from gevent import monkey\n"
+        "print(monkey.is_module_patched('threading'))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "LOCUST_SKIP_MONKEY_PATCH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "False", out.stderr
