@@ -27,10 +27,20 @@ rate. +Inf is the documented sentinel for "backlog and no progress" (Prometheus 
 Split: `partition_lag`, `RateSmoother`, `time_to_drain` and `DrainMonitor.refresh` are pure
 (clock and offset reader injected) and unit-tested; `BrokerOffsetsReader` does the broker reads;
 `DrainMonitor.start()` runs `refresh` on a daemon thread every `interval_s`; that thread owns the
-reader's AdminClient and releases it itself when it stops (`BrokerOffsetsReader.close`), so the
-handle is destroyed while the interpreter lives and never under a call of another thread: left
-to the end of the process, its background thread could deliver an admin result into an
+reader's clients and releases them itself when it stops (`BrokerOffsetsReader.close`), so the
+handles are destroyed while the interpreter lives and never under a call of another thread: left
+to the end of the process, the admin client's background thread could deliver a result into an
 interpreter being torn down (issue 26).
+
+The committed offsets are read with a Consumer's `committed()` (a consumer carrying the group's
+id that never subscribes, so it never joins the group), not with the AdminClient's
+`list_consumer_group_offsets`: librdkafka (up to 2.16 at least, confluentinc/librdkafka#5040)
+handles an OffsetFetch answer of NOT_COORDINATOR / COORDINATOR_NOT_AVAILABLE by asking the
+handle's consumer group to look up its coordinator again, and an AdminClient has none: a NULL
+read at 0x58 on librdkafka's `rdk:main` thread that kills the whole worker (the issue's
+"segfault at 58 ... in librdkafka"). A broker answers so while the group's coordinator moves or
+loads (a fresh broker, a restart, a partition leader change), i.e. exactly when lag matters. A
+consumer's own group handles the same answer (a retriable KafkaException, retried below).
 """
 
 from __future__ import annotations
@@ -219,8 +229,10 @@ class BrokerOffsetsReader:
     """Reads one consumer group's committed offsets and the topics' watermarks from the broker.
 
     `topics`: lang -> request topic names. Partitions are listed on every read (a topic may
-    gain partitions); committed offsets come from `list_consumer_group_offsets`, the earliest
-    and end offsets from `list_offsets` (one AdminClient, no consumer joins the group).
+    gain partitions) and the earliest and end offsets come from `list_offsets` (an AdminClient);
+    committed offsets from `committed()` of a consumer with the group's id that never subscribes
+    (no member joins the group; never the AdminClient's `list_consumer_group_offsets`, which
+    crashes the process on a NOT_COORDINATOR answer: see the module notes).
     """
 
     RETRIES = 3  # of a read that failed with a retriable error
@@ -232,17 +244,24 @@ class BrokerOffsetsReader:
         topics: Mapping[str, Sequence[str]],
         timeout_s: float = 5.0,
     ) -> None:
+        from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
 
         self.group = group
         self.topics = {lang: tuple(names) for lang, names in topics.items()}
         self.timeout_s = timeout_s
         self._admin: Any = AdminClient(dict(kafka_conf))
+        self._committed: Any = Consumer(  # reads the group's offsets; never subscribes
+            {**kafka_conf, "group.id": group, "enable.auto.commit": False}
+        )
 
     def close(self) -> None:
-        """Destroy the AdminClient now (on the calling thread, the one that used it); a read
+        """Destroy both clients now (on the calling thread, the one that used them); a read
         after this raises."""
         admin, self._admin = self._admin, None
+        consumer, self._committed = self._committed, None
+        if consumer is not None:
+            consumer.close()  # never joined: nothing to leave, nothing to commit
         del admin  # the last reference: rd_kafka_destroy joins librdkafka's threads here
 
     def __call__(self) -> dict[str, list[PartitionOffsets]]:
@@ -263,7 +282,7 @@ class BrokerOffsetsReader:
         raise AssertionError("unreachable")
 
     def _read(self) -> dict[str, list[PartitionOffsets]]:
-        from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+        from confluent_kafka import TopicPartition
         from confluent_kafka.admin import OffsetSpec
 
         meta = self._admin.list_topics(timeout=self.timeout_s)
@@ -276,11 +295,9 @@ class BrokerOffsetsReader:
         ]
         if not tps:
             return {lang: [] for lang in self.topics}
-        request = [ConsumerGroupTopicPartitions(self.group, tps)]
-        futures = self._admin.list_consumer_group_offsets(request, request_timeout=self.timeout_s)
-        committed = {
+        committed = {  # not list_consumer_group_offsets: see the module notes
             (tp.topic, tp.partition): tp.offset
-            for tp in futures[self.group].result(self.timeout_s).topic_partitions
+            for tp in self._committed.committed(tps, timeout=self.timeout_s)
         }
         low = self._watermarks(tps, OffsetSpec.earliest())
         high = self._watermarks(tps, OffsetSpec.latest())

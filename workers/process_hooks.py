@@ -2,11 +2,14 @@
 
 Crash dumps (`enable_crash_dumps`, called once at the CLI edge, the `tolk` app's callback in
 `workers/cli.py`, so every subcommand gets it: worker, guard, replay, load, demo, ...): a fatal
-signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) in any thread, a Python one or one of
-librdkafka's own (`rdk:main`, `rdk:broker...`, which run no Python), makes `faulthandler` write
-"Fatal Python error: <signal>" and the Python stack of every thread to stderr before the
-process dies (by the same signal: a supervisor still sees the crash). tolk processes log to
-stderr (`logging.basicConfig`), so that is their log: the dump lands between the last log lines.
+signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) in a thread that does not block it (Python's
+threads, torch's) makes `faulthandler` write "Fatal Python error: <signal>" and the Python
+stack of every thread to stderr before the process dies (by the same signal: a supervisor
+still sees the crash). librdkafka's own threads (`rdk:main`, `rdk:broker...`) block every
+signal, so a crash there kills the process with no dump at all (and no kernel log line, since
+a handler is installed): only a core dump shows it (docs/OPERATIONS.md, "Native crashes").
+tolk processes log to stderr (`logging.basicConfig`), so that is their log: the dump lands
+between the last log lines.
 A dump already switched on (`PYTHONFAULTHANDLER`, `python -X faulthandler`, pytest) is left as
 it is; a process whose stderr has no file descriptor (embedded) runs without one.
 

@@ -342,13 +342,13 @@ def ledger_report(test: str, sent: set[str], replies: TopicTail, **extra: Any) -
 
 class OffsetProbe:
     """Committed offsets of a consumer group and high watermarks of topics, asked of the broker
-    (AdminClient.list_consumer_group_offsets; a Consumer's get_watermark_offsets)."""
+    (a Consumer's committed() with the group's id, never subscribing; a Consumer's
+    get_watermark_offsets). Not AdminClient.list_consumer_group_offsets: librdkafka crashes
+    the process when the broker answers it NOT_COORDINATOR (workers/drain.py's notes), which a
+    broker restart of these tests can provoke."""
 
     def __init__(self, bootstrap: str) -> None:
-        from confluent_kafka.admin import AdminClient
-
-        admin_conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": KAFKA_LOG}
-        self._admin = AdminClient(admin_conf)
+        self._bootstrap = bootstrap
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -359,12 +359,19 @@ class OffsetProbe:
 
     def committed(self, group: str, tps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
         """(topic, partition) -> committed offset (-1001 when none yet)."""
-        from confluent_kafka import ConsumerGroupTopicPartitions
-
-        request = ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in tps])
-        futures = self._admin.list_consumer_group_offsets([request], request_timeout=10)
-        result = futures[group].result(timeout=15)
-        return {(tp.topic, tp.partition): tp.offset for tp in result.topic_partitions}
+        reader = Consumer(
+            {
+                "bootstrap.servers": self._bootstrap,
+                "group.id": group,  # reads the group's offsets; never subscribes or commits
+                "enable.auto.commit": False,
+                "logger": KAFKA_LOG,
+            }
+        )
+        try:
+            parts = reader.committed([TopicPartition(t, p) for t, p in tps], timeout=15)
+        finally:
+            reader.close()
+        return {(tp.topic, tp.partition): tp.offset for tp in parts}
 
     def high_watermarks(self, tps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
         out = {}

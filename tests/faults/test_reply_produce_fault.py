@@ -13,7 +13,7 @@ writes.)
 
 Asserted, from samples taken every 0.25 s during and after the fault: the consumer group's
 committed offset never passes a request whose reply was not yet written. A sample reads the
-committed offsets (AdminClient.list_consumer_group_offsets) and then the reply topic's high
+committed offsets (a Consumer's committed() with its group id) and then the reply topic's high
 watermarks; a request below a sampled commit must have a reply below the watermark sampled
 right after it. Also: the fault took effect (in most samples of its middle no reply was
 written, and the worker's `tolk_reply_retries_total` counted re-produced
