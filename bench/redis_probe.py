@@ -359,11 +359,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.argv = argv
     result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    from bench._common import dump, write_json
+
+    print(dump(result))
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

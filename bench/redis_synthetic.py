@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -194,14 +195,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--redis-url", default=os.environ.get("TOLK_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
-    p.add_argument("--logs", default="/tmp/tolk-redis-synthetic")
+    p.add_argument("--logs", default=None, help="call records (default: a new temp dir)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     import redis
 
-    from bench._common import cpu_model
+    from bench._common import cpu_model, dump, write_json
 
-    logs = Path(args.logs)
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="tolk-redis-synthetic-"))
     logs.mkdir(parents=True, exist_ok=True)
     client = redis.Redis.from_url(args.redis_url)
     before = _redis_info(client)
@@ -249,11 +250,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             m: {**out[m], "calls": _summarize_calls(logs / f"calls-{m}.jsonl")} for m in out
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    print(dump(result))
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
