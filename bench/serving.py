@@ -13,7 +13,9 @@ The kind of benchmark DistServe, vLLM's `bench serve` and MLPerf Server run, ove
 * **Systems** (`--systems`), one after the other, each started fresh per repeat and warmed
   with a few requests first, never two at once on the machine:
   - `tolk`: a `tolk worker` process (default flags + `--worker-args`, default `--no-cache`)
-    driven by the load test's Kafka client (bench/serving_kafka.py);
+    driven by the load test's Kafka client (bench/serving_kafka.py); measured once it consumes
+    and, if it compiles its decode graphs in the background, once they are ready (its steady
+    state; the time to both is in the JSON's `starts`);
   - `llama-http`: llama.cpp's llama-server (`bench/build_llama_server.sh`) on the same GGUF,
     same prompt text, stop rule and output cap, straight over HTTP;
   - `llama-kafka`: the same server behind a minimal bolt-on Kafka consumer, driven by the
@@ -105,7 +107,7 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
                  langs: Sequence[str]) -> tuple[Driver, JSON]:  # fmt: skip
     """Start `system` (stopped when `stack` closes); returns its driver and start-up facts."""
     from bench import serving_llamaserver as llama
-    from bench.serving_kafka import drive_bridge, start_tolk_worker, stop_process
+    from bench.serving_kafka import drive_bridge, start_tolk_worker, stop_process, wait_compiled
     from workers.engine.loader import resolve_source
     from workers.loadtest.bridge import KafkaBridge
 
@@ -124,6 +126,9 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         )  # fmt: skip
         stack.callback(stop_process, proc)
         info["start_to_assigned_s"] = round(start_s, 1)
+        compiled_s = wait_compiled(proc, logs / f"{prefix}worker.log")
+        if compiled_s is not None:  # steady state: measured once the graphs serve
+            info["assigned_to_compiled_s"] = round(compiled_s, 1)
         info["worker_cmd"] = f"tolk worker --model {args.model} {args.worker_args}".strip()
     else:
         binary = llama.find_llama_server()

@@ -88,6 +88,29 @@ def start_tolk_worker(
     raise RuntimeError(f"tolk worker not assigned within {timeout_s:.0f} s; see {log_path}")
 
 
+def wait_compiled(
+    proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 900.0
+) -> float | None:
+    """Seconds until a worker that compiles its decode graphs in the background has them
+    (None: it compiles nothing). The worker serves eagerly until then (workers/engine/
+    compiled.py); a measurement of its steady state starts after this, as llama-server's does
+    after its model load. A failed compilation (the worker stays eager) also ends the wait."""
+    t0 = time.monotonic()
+    end = t0 + timeout_s
+    while time.monotonic() < end:
+        text = log_path.read_text(errors="replace")
+        start = text.find("compiling decode graphs in the background")
+        if start < 0:
+            return None
+        after = text[start:]  # (the start-up probe may have compiled before: its lines are earlier)
+        if "compiled decode graphs for batch sizes" in after or "graphs failed" in after:
+            return time.monotonic() - t0
+        if proc.poll() is not None:
+            raise RuntimeError(f"tolk worker exited {proc.returncode}; see {log_path}")
+        time.sleep(0.5)
+    raise RuntimeError(f"tolk worker's decode graphs not compiled within {timeout_s:.0f} s")
+
+
 def stop_process(proc: subprocess.Popen[bytes] | None, wait_s: float = 60.0) -> None:
     """SIGTERM (a worker drains), then SIGKILL after `wait_s`."""
     if proc is None or proc.poll() is not None:

@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -389,14 +392,36 @@ def worker(
 
     from workers.ports import PortUnavailable
 
+    code = 0
     try:
         runner.run()
     except PortUnavailable as exc:  # taken since the check above
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        code = 2
     except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
         typer.echo(f"error: fatal Kafka error, worker stopped: {exc}", err=True)
-        raise typer.Exit(1) from None
+        code = 1
+    _exit_past_compiler(code)
+    if code:
+        raise typer.Exit(code)
+
+
+def _exit_past_compiler(code: int) -> None:
+    """A worker stopped while its decode graphs still compile in the background ends here with
+    `os._exit`: its replies are produced and offsets committed (the worker stopped), and the
+    interpreter's normal exit would abort in torch's C++ under the compiling thread
+    (workers/engine/compiled.py, `background_compile_running`)."""
+    from workers.engine.compiled import background_compile_running
+
+    if not background_compile_running():
+        return
+    logging.getLogger(__name__).info(
+        "decode graphs still compiling at exit: exiting without waiting for the compiler"
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _arms_target(bootstrap: str | None) -> tuple[Any, str]:

@@ -46,6 +46,18 @@ log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 64  # compiled decode graphs one process may hold (see CompiledDecode.__init__)
 
+_BACKGROUND: set[threading.Thread] = set()  # warm-ups under way in this process
+
+
+def background_compile_running() -> bool:
+    """Whether a `warm_up_in_background` compilation is still under way in this process.
+
+    A process must not run its normal interpreter exit then: the compiling thread is inside
+    torch's C++ and the exit's static destructors abort the process ("terminate called without
+    an active exception", SIGABRT; seen when a worker was stopped during its first minutes).
+    The worker exits with `os._exit` instead once its Kafka work is done (workers/cli.py)."""
+    return any(t.is_alive() for t in _BACKGROUND)
+
 
 class CompiledDecode:
     """The model's decode step, compiled; called with python lists, returns (logits, argmax)."""
@@ -147,5 +159,6 @@ class CompiledDecode:
         )
         self.ready = False  # eager until run() has compiled the graphs
         self.background = threading.Thread(target=run, name="tolk-compile", daemon=True)
+        _BACKGROUND.add(self.background)
         self.background.start()
         return self.background
