@@ -4,8 +4,9 @@
 hands them over and deals with what comes back, on the worker's poll thread:
 
 * `submit()` builds the engine request (the deadline moved onto the engine's clock,
-  `workers.deadlines`) and keeps an `InFlight` per request id (the worker's `_inflight` is the
-  same dict: redeliveries join it); the engine's done-callback only puts the result on a queue.
+  `workers.engine.deadlines`) and keeps an `InFlight` per request id (the worker's `_inflight`
+  is the same dict: redeliveries join it); the engine's done-callback only puts the result on
+  a queue.
 * `drain_done()` takes the results off that queue. A result is answered through the
   `ReplyPublisher`, unless:
   - the run failed (ERROR with the engine's error text: `Engine._fail_all` fails every request
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from workers.arms import arm_model_version
-from workers.deadlines import engine_deadline
+from workers.engine.deadlines import engine_deadline
 from workers.engine.types import (
     GenerationResult,
     RequestHandle,

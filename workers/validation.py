@@ -3,7 +3,7 @@
 Each failed check becomes a reply, not an exception: the client waiting on that request id
 hears why (REJECTED for what will never work, EXPIRED for what came too late), and the metric
 reason says which check it was. Order matters: the cheapest and most basic checks go first.
-The deadline check is `workers.deadlines`' intake rule (no time left: EXPIRED).
+The deadline check is `workers.engine.deadlines`' rule (no time left: EXPIRED).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from workers.deadlines import ms_past_deadline_at_intake
+from workers.engine.deadlines import ms_past_deadline_at_intake
 
 __all__ = ["Problem", "validate_request"]
 
