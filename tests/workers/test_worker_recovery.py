@@ -98,7 +98,7 @@ def test_result_of_a_partition_revoked_and_assigned_back_is_answered() -> None:
             r.send(request_bytes(f"back{i}", text=f"back {i}", target="fr"), "fr", key=b"k")
         wait_for(lambda: r.engine.pending() == 2, what="2 in the engine")
         consumer = r.worker._consumer
-        parts = r.worker.partitions
+        parts = r.worker.life.partitions
         first = max(parts.generation(tp) for tp in parts.tracker.assigned())
         consumer.schedule_revoke_all()
         consumer.schedule_assign_all()

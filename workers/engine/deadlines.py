@@ -7,11 +7,11 @@ the service that asks "too late?" asks this module, with its own clock readings:
 
 * **No time left** (`expired`): `now >= deadline`. A translation takes more than no time, so a
   request with no time left could only finish past its deadline: the worker answers it EXPIRED
-  without the engine (`workers/validation.py`, with `ms_past_deadline_at_intake`'s text), the
-  scheduler expires it before spending prefill on it (`workers/engine/scheduler.py`), the
-  latency model's admission says EXPIRED (`workers/fairness/latency_model.py`), and the fair
-  engine's watchdog cancels a running request at that moment (`DeadlineWatch`, read by
-  `workers/serving/fair_engine.py`'s thread).
+  without the engine (`workers/record_intake.py`'s `check_request`, with the text of
+  `ms_past_deadline_at_intake`), the scheduler expires it before spending prefill on it
+  (`workers/engine/scheduler.py`), the latency model's admission says EXPIRED
+  (`workers/fairness/latency_model.py`), and the fair engine's watchdog cancels a running
+  request at that moment (`DeadlineWatch`, read by `workers/serving/fair_engine.py`'s thread).
 * **Would miss it** (`would_miss`): `now + needed > deadline`, with `needed` the predicted time
   to answer (queue wait, service, margins): refused at admission (the latency model; and the
   idle-engine exploration of `workers/serving/admission.py` admits only what would not miss it).
