@@ -70,7 +70,6 @@ from workers.engine_runs import EngineRuns
 from workers.health import WorkerProbes, start_health_server
 from workers.kafka_config import ReplyTopicChecker, consumer_config, is_fatal, producer_config
 from workers.metrics import WorkerMetrics
-from workers.offsets import OffsetTracker
 from workers.process_hooks import (
     install_stop_signals,
     seconds_since_process_start,
@@ -379,11 +378,6 @@ class Worker:
     def draining(self) -> bool:
         """Shutting down: intake paused, in-flight requests finishing (readiness: false)."""
         return self.life.draining
-
-    @property
-    def tracker(self) -> OffsetTracker:
-        """Offsets per partition (read by tests; kept by `RecordLife`)."""
-        return self.life.tracker
 
     @property
     def served_languages(self) -> tuple[str, ...]:

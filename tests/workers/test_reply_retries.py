@@ -390,7 +390,7 @@ def test_worker_loop_retries_a_dead_letter_until_the_topic_exists(
     time.sleep(0.3)  # several commit intervals
     group = worker.settings.group_id
     assert broker.committed.get((group, TOPIC, 0), 0) == 0  # held by the dead letter
-    assert worker.tracker.pending((TOPIC, 0)) == 1
+    assert worker.life.tracker.pending((TOPIC, 0)) == 1
 
     broker.create_topic(DEAD_LETTERS, 1)
     wait_for(lambda: len(broker.records(DEAD_LETTERS)) == 1, what="the retried dead letter")
