@@ -10,8 +10,8 @@ Timings on a reply are measured from the record's broker timestamp (what the cli
 and the broker share), not from when this worker happened to read it: `queue_ms` covers time
 in Kafka, in the worker and in the engine's waiting queue.
 
-An OK that finished past the request's deadline goes out as EXPIRED (`workers.deadlines`, the
-one rule the engine side applies too).
+An OK that finished past the request's deadline goes out as EXPIRED (`workers.engine.deadlines`,
+the one rule the engine side applies too).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from schemas.codec import encode_dead_letter
-from workers.deadlines import expired_despite_ok
+from workers.engine.deadlines import expired_despite_ok
 from workers.engine.types import FinishReason, GenerationResult
 from workers.records import ConsumedRecord, InFlight
 

@@ -10,12 +10,15 @@
   request id;
 * in the reply's delivery callback, and only there: store it in the results store under the
   request id (so a redelivery after a crash is answered from the store, not translated again)
-  and mark the record's offset done (`mark_done`, the worker's `PartitionState.mark_done`);
+  and mark the record's offset done (`mark_done`: `RecordLife.done`, the owner of the record's
+  offset);
 * a dead letter carries the original record byte for byte and its reason; its offset is done
   once it is delivered, never before;
 * a request that failed for good in the engine (a poison request) gets both, in this order: a
   dead letter (the record, for the operator) and then an ERROR reply with the same reason (for
-  the client, who would otherwise wait out its timeout): `dead_letter_and_reply_error()`.
+  the client, who would otherwise wait out its timeout): `dead_letter_and_reply_error()`;
+* tell the intake step what was answered before (`pending_reply`, `stored_replies`) and
+  whether a reply topic is usable (`reply_topics`).
 
 At-least-once, answered once: an offset is never marked done before its answer (the reply or
 the dead letter) is delivered, so the commit (the lowest offset not done, `workers.offsets`)
@@ -23,38 +26,12 @@ never passes an unanswered record. Between the first produce and the final deliv
 bytes are held in `pending_reply()`, so a duplicate of the request read meanwhile (also while
 the reply waits for a retry) is answered with the same bytes.
 
-Failures, and the retry queue
------------------------------
-librdkafka already retries a produce inside the producer until `message.timeout.ms`
-(`Settings.delivery_timeout_ms`, 30 s); a delivery report with an error means that time is
-spent. What happens then:
-
-* A reply that failed for good (`workers.kafka_config.PERMANENT_PRODUCE_CODES`: the reply
-  topic is missing or not ours to write, the record is too large, the request is invalid) becomes a
-  dead letter at once (a missing topic also drops it from the `ReplyTopicChecker` cache).
-* Any other failure of a reply (timeout, NOT_ENOUGH_REPLICAS, throttling, brokers down, a
-  produce() that raised) puts it on the retry queue (`workers.reply_retry.RetryQueue`):
-  produced again after `retry_delay_s()` (0.5 s doubling up to 30 s). After `reply_attempts`
-  failed deliveries it becomes a dead letter.
-* A dead letter whose delivery fails (or whose produce() raises) is retried the same way, with
-  no bound: its offset stays pending, so its partition's commit point stays behind it while the
-  records after it keep being answered. One too large for the dead-letter topic goes out again
-  at once without the original bytes (topic, partition and offset still point at them).
-* The local queue full (`BufferError`): a first produce waits it out by serving delivery
-  reports for up to `_QUEUE_FULL_ATTEMPTS` x 0.1 s; if it stays full the record goes on the
-  retry queue (never dead-lettered for that, and without spending one of its attempts), and
-  until a produce succeeds again later records go straight there instead of stalling the poll
-  loop.
-
-The worker serves the queue with `retry_due(time.monotonic())` once per loop iteration.
-
-What an operator sees while the dead-letter topic is unavailable (deleted, no leader, no ACL):
-`tolk_reply_retry_pending` stays above 0, `tolk_reply_retries_total{kind="dead_letter"}` and
-`tolk_worker_errors_total{reason="dead_letter_failed"}` rise, an ERROR log line per failed try
-("dead letter ... not delivered (try N), retrying in S s"), and the partition's consumer lag
-grows because its committed offset stays at the oldest undelivered dead letter. Nothing is
-lost: once the topic is back the dead letters go out and the commits move on. A worker stopped
-meanwhile leaves those offsets uncommitted; their records are read again by the next owner.
+Failures (`workers.reply_retry.Deliveries`): librdkafka retries a produce for
+`Settings.delivery_timeout_ms`; a reply that still fails is produced again later (0.5 s
+doubling up to 30 s) unless it failed for good or `reply_attempts` times, then it becomes a
+dead letter; a dead letter is retried with no bound (its offset stays pending meanwhile; what
+an operator sees then is said there). The worker serves the retries with
+`retry_due(time.monotonic())` once per loop iteration.
 
 Threads: everything runs on the worker's poll thread; delivery callbacks are served from
 `producer.poll()` / `flush()` there. The producer is created by the worker when it starts and
@@ -66,43 +43,51 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
-
 from schemas.codec import encode_result
+from topics.catalog import DEAD_LETTERS
 from workers.engine.types import GenerationResult
 from workers.fairness.policy import LanguagePolicy
-from workers.kafka_config import (
-    MISSING_TOPIC_CODES,
-    PERMANENT_PRODUCE_CODES,
-    TOO_LARGE_CODES,
-    ReplyTopicChecker,
-)
+from workers.kafka_config import ReplyTopicChecker
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
-from workers.reply_retry import (
-    Outgoing,
-    RetryQueue,
-    error_code,
-    retry_delay_s,
-    slim_down,
-)
+from workers.reply_retry import Deliveries, Outgoing
 from workers.results_store import ResultStore, ResultStoreError
+from workers.settings import Settings
 from workers.tracing import RequestTracer, request_trace
 from workers.unstored import UnstoredResults
 
-__all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyPublisher"]
+__all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyConfig", "ReplyPublisher"]
 
 log = logging.getLogger(__name__)
 
-# Produce attempts of a first produce while the producer's local queue stays full (each waits
-# up to 0.1 s serving delivery reports); past them the record goes on the retry queue.
-_QUEUE_FULL_ATTEMPTS = 20
 TOKEN_RATE_WINDOW_S = 5.0  # the tokens-per-second gauge averages over this window
 DEFAULT_REPLY_ATTEMPTS = 5  # deliveries of a reply tried before it becomes a dead letter
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyConfig:
+    """What the worker's settings say about its replies (`from_settings`)."""
+
+    dead_letter_topic: str
+    worker_id: str
+    policies: Mapping[str, LanguagePolicy] = field(default_factory=dict)  # SLO of OK replies
+    reply_attempts: int = DEFAULT_REPLY_ATTEMPTS  # deliveries tried before a dead letter
+    plain_model_version: str = ""  # of replies without the engine: "" or "@<arm>"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, plain_model_version: str = "") -> ReplyConfig:
+        return cls(
+            dead_letter_topic=settings.topic_prefix + DEAD_LETTERS,
+            worker_id=settings.worker_id,
+            policies=settings.policies,
+            reply_attempts=settings.reply_attempts,
+            plain_model_version=plain_model_version,
+        )
 
 
 class ReplyPublisher:
@@ -111,37 +96,39 @@ class ReplyPublisher:
 
     def __init__(
         self,
+        config: ReplyConfig,
         *,
         store: ResultStore,
         metrics: WorkerMetrics,
         reply_topics: ReplyTopicChecker,
-        dead_letter_topic: str,
-        worker_id: str,
-        policies: Mapping[str, LanguagePolicy],
         mark_done: Callable[[tuple[str, int], int], Any],
         clock_ms: Callable[[], int],
-        reply_attempts: int = DEFAULT_REPLY_ATTEMPTS,
         monotonic: Callable[[], float] = time.monotonic,
-        plain_model_version: str = "",
         tracer: RequestTracer | None = None,
     ) -> None:
-        if reply_attempts < 1:
-            raise ValueError(f"reply_attempts must be >= 1, got {reply_attempts!r}")
+        if config.reply_attempts < 1:
+            raise ValueError(f"reply_attempts must be >= 1, got {config.reply_attempts!r}")
         self.store = store
         self.metrics = metrics
-        self.dead_letter_topic = dead_letter_topic
-        self.worker_id = worker_id
-        self.reply_attempts = reply_attempts
-        self._reply_topics = reply_topics  # shared with the worker's intake check
-        self._policies = policies  # the SLO of OK replies
+        self.dead_letter_topic = config.dead_letter_topic
+        self.worker_id = config.worker_id
+        self.reply_attempts = config.reply_attempts
+        self.reply_topics = reply_topics  # also the intake's reply-topic check
+        self._policies = config.policies  # the SLO of OK replies
         self._mark_done = mark_done
         self._now_ms = clock_ms
-        self._plain_model_version = plain_model_version  # replies without engine: "" or "@arm"
+        self._plain_model_version = config.plain_model_version
         self._tracer = tracer  # records each reply's spans (workers/tracing.py); None = off
-        self._producer: Any = None
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
-        self._retries = RetryQueue(metrics, monotonic)  # workers/reply_retry.py
+        self._deliveries = Deliveries(  # produce and retry (workers/reply_retry.py)
+            self,
+            metrics,
+            reply_attempts=self.reply_attempts,
+            clock_ms=clock_ms,
+            monotonic=monotonic,
+        )
+        self._send = self._deliveries.send
         self._monotonic = monotonic
         late = metrics.store_late_writes_total
         self.unstored = UnstoredResults(  # failed result writes, tried again (unstored.py)
@@ -150,11 +137,10 @@ class ReplyPublisher:
             on_dropped=lambda n: late.labels(outcome="dropped").inc(n),
             on_size=metrics.store_unstored.set,
         )
-        self._queue_full = False  # the last produce found the local queue full for good
 
     def attach(self, producer: Any) -> None:
         """Use `producer` (a confluent-kafka `Producer`, idempotent) from now on."""
-        self._producer = producer
+        self._deliveries.attach(producer)
 
     @property
     def tracing(self) -> bool:
@@ -166,13 +152,23 @@ class ReplyPublisher:
         or on the retry queue), or whose result-store write is (`unstored`), if any."""
         return self._answered.get(request_id) or self.unstored.get(request_id)
 
+    def stored_replies(self, request_ids: Sequence[str]) -> dict[str, bytes]:
+        """The replies the results store holds for `request_ids` (one look-up for all); empty
+        when the store fails (then they are translated again: at-least-once)."""
+        try:
+            stored = self.store.get_many(list(request_ids))
+        except ResultStoreError as exc:
+            log.warning("result store lookup failed (translating anyway): %s", exc)
+            return {}
+        return {rid: v for rid, v in zip(request_ids, stored, strict=True) if v}
+
     def pending_retries(self) -> int:
         """Replies and dead letters that failed at least once and are not delivered yet."""
-        return len(self._retries)
+        return len(self._deliveries.queue)
 
     def next_retry_at(self) -> float | None:
         """When (on the monotonic clock) the earliest queued retry is due; None if none is."""
-        return self._retries.next_due()
+        return self._deliveries.queue.next_due()
 
     def update_token_rate(self, now_monotonic: float) -> None:
         """Set the tokens-per-second gauge from the engine results of the last window."""
@@ -359,39 +355,12 @@ class ReplyPublisher:
         worker's loop calls this each iteration; it also writes the results kept unstored,
         `self.unstored`); returns how many replies / dead letters were produced."""
         self.unstored.retry_due(now_monotonic)  # result writes that failed (unstored.py)
-        due = self._retries.pop_due(now_monotonic)
-        for entry in due:
-            self.metrics.reply_retries_total.labels(kind=entry.kind).inc()
-            self._send(entry, queue_full_attempts=1)
-        return len(due)
+        return self._deliveries.retry_due(now_monotonic)
 
-    def _send(self, entry: Outgoing, queue_full_attempts: int = _QUEUE_FULL_ATTEMPTS) -> None:
-        """Produce `entry`; its outcome arrives in `_delivered` / `_failed`."""
+    # -- delivery outcomes (reply_retry.DeliveryOutcomes) -------------------------------------
 
-        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
-            if err is None:
-                self._delivered(entry)
-            else:
-                self._failed(entry, err.code(), str(err))
-
-        try:
-            self._produce(
-                entry.topic,
-                entry.key,
-                entry.value,
-                on_delivery,
-                1 if self._queue_full else queue_full_attempts,
-                entry.headers,
-            )
-        except Exception as exc:
-            code = error_code(exc)
-            if code == KafkaError._QUEUE_FULL:
-                self._retries.schedule(entry)  # a full local queue is not an attempt
-            else:
-                self._failed(entry, code, repr(exc))
-
-    def _delivered(self, entry: Outgoing) -> None:
-        self._retries.settle(entry)
+    def delivered(self, entry: Outgoing) -> None:
+        """`entry` is delivered: store a reply, send what follows it, else the offset is done."""
         if entry.finished_at is not None:
             lag_s = time.monotonic() - entry.finished_at
             self.metrics.observe_lag("finish_to_delivered", entry.rec.lang, lag_s)
@@ -406,47 +375,6 @@ class ReplyPublisher:
             return
         self._mark_done(rec.tp, rec.offset)
 
-    def _failed(self, entry: Outgoing, code: int | None, error: str) -> None:
-        """A produce of `entry` raised (`code` None for a non-Kafka exception) or its delivery
-        failed: retry it, dead-letter it, or (a dead letter too large) slim it down."""
-        entry.failures += 1
-        rec = entry.rec
-        if entry.kind == "reply":
-            why = f"reply to {entry.topic!r} failed: {error}"
-            if code in MISSING_TOPIC_CODES:
-                self._reply_topics.forget(entry.topic)
-                self._give_up_reply(entry, "reply_topic_missing", why)
-            elif code in PERMANENT_PRODUCE_CODES:
-                self._give_up_reply(entry, "reply_undeliverable", why)
-            elif entry.failures >= self.reply_attempts:
-                why = f"reply to {entry.topic!r} failed after {entry.failures} attempts: {error}"
-                self._give_up_reply(entry, "reply_undeliverable", why)
-            else:
-                log.warning(
-                    "reply for %s@%d not delivered (try %d of %d): %s",
-                    rec.tp,
-                    rec.offset,
-                    entry.failures,
-                    self.reply_attempts,
-                    error,
-                )
-                self._retries.schedule(entry)
-            return
-        self.metrics.errors_total.labels(lang=rec.lang, reason="dead_letter_failed").inc()
-        if code in TOO_LARGE_CODES and not entry.slim:
-            slim_down(entry, error, self._now_ms())
-            self._send(entry)
-            return
-        log.error(
-            "dead letter for %s@%d not delivered (try %d), retrying in %.1f s: %s",
-            rec.tp,
-            rec.offset,
-            entry.failures,
-            retry_delay_s(entry.failures),
-            error,
-        )
-        self._retries.schedule(entry)
-
     def _end_trace(self, entry: Outgoing, failure: str) -> None:
         if self._tracer is not None and entry.trace is not None:
             (span, req), entry.trace = entry.trace, None
@@ -454,39 +382,15 @@ class ReplyPublisher:
                 req.status = failure
             self._tracer.finish(span, req, time.time_ns())
 
-    def _give_up_reply(self, entry: Outgoing, reason: str, why: str) -> None:
-        self._retries.settle(entry)
+    def reply_topic_missing(self, topic: str) -> None:
+        self.reply_topics.forget(topic)
+
+    def reply_given_up(self, entry: Outgoing, reason: str, why: str) -> None:
+        """A reply that cannot be delivered: a dead letter instead."""
         self._end_trace(entry, reason)
         if entry.store:
             self._answered.pop(entry.rec.request_id, None)
         self.dead_letter(entry.rec, reason, why)
-
-    # -- the producer -------------------------------------------------------------------------
-
-    def _produce(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes,
-        on_delivery: Callable[[KafkaError | None, Any], None],
-        queue_full_attempts: int,
-        headers: list[tuple[str, bytes]] | None = None,
-    ) -> None:
-        if self._producer is None:
-            raise KafkaException(KafkaError(KafkaError._STATE, "no producer attached"))
-        for attempt in range(queue_full_attempts):
-            if attempt:
-                self._producer.poll(0.1)  # local queue full: serve delivery reports, retry
-            try:
-                self._producer.produce(
-                    topic, value=value, key=key, headers=headers, on_delivery=on_delivery
-                )
-            except BufferError:
-                continue
-            self._queue_full = False
-            return
-        self._queue_full = True
-        raise KafkaException(KafkaError(KafkaError._QUEUE_FULL, "producer queue stays full"))
 
 
 def _scheduled(result: GenerationResult) -> bool:

@@ -15,17 +15,11 @@ Design notes
   Redis is an optimisation: while it is down the store fails fast (short timeouts, a circuit
   breaker: `workers.results_store.CircuitBreakerStore`), every request is translated, and each
   failed or skipped look-up / put counts in `tolk_store_degraded_total{op}`.
-* Fair intake: librdkafka has no fairness across topics, so per language an
-  `IntakeController` counts requests in the engine; at its high water the language's
-  partitions are paused, at its low water resumed (hysteresis, since `pause()` drops the
-  prefetched records). A global cap (`max_in_flight`) pauses everything the same way.
-  Records of one batch past a quota are rewound with `seek()`; a seek that fails holds the
-  partition (paused, none of its records taken) until a retry works (`PartitionState.rewind`).
-* Engine results (`workers.engine_runs.EngineRuns`): a failed run (ERROR, e.g. a step that
-  raised) is retried up to `max_attempts` runs, then dead-lettered as "poison" and answered
-  ERROR; the result of
-  a record whose partition was revoked meanwhile is dropped when the partition went to another
-  owner (it answers), answered when it came back here; both counted.
+* Fair intake: per language quotas with hysteresis and a global cap pause partitions; records
+  of one batch past a quota are rewound with `seek()` (`record_intake`, `record_life`).
+* Engine results: a failed run is retried up to `max_attempts` runs, then dead-lettered as
+  "poison" and answered ERROR; a revoked partition's result is answered or dropped
+  (`engine_runs`).
 * Arms (with `Settings.arm`; `workers.arm_routing`): group `<group>.<arm>`; a record that is
   another arm's (`workers.arms`) is done without a reply; replies carry `"<version>@<arm>"`.
 * Never die on a record: any failure on one record becomes a dead letter (undecodable bytes,
@@ -38,46 +32,44 @@ Threads: everything here runs on the poll thread except the engine's done-callba
 only put `(request_id, result)` on a queue. Kafka's rebalance and delivery callbacks are
 served from `consume()` / `producer.poll()` on the poll thread.
 
-The pieces around this loop live beside it: `kafka_config` (client settings, the reply-topic
-check), `records` (what is held per record and per in-flight request), `record_intake` (a
-consumed batch: quotas and rewinds, decoding, arm routing, duplicates, checks, submit),
-`validation` (checks before the engine), `deadlines` (the request deadline on the engine's
-clock, the EXPIRED rule), `reply_publisher` (produce, store, dead letters, offsets done; it
-builds replies with `replies`), `partitions` (assignment, pauses, rewinds, commits,
-ownership), `engine_runs` and `retries` (submit, results, bounded retries). The worker keeps
-the loop, intake pauses, rebalance callbacks, shutdown and commits. A `FairEngine`'s fair-share
-gauges are read from its `queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
+One record's life, and who does what (`workers.record_life` has the whole picture):
+
+* `RecordLife` (record_life.py) owns every record's state: its offset (`partitions`, over
+  `offsets`), its language's quota and the global cap, the request in the engine that it waits
+  on. Nothing else holds any of that.
+* The steps decide and return outcomes: `RecordIntake.take()` (record_intake.py: quotas and
+  rewinds, decoding, arm routing, duplicates, checks) yields `Submit`, `AnswerNow`, `Resend`,
+  `DeadLetter` or `Skip`; `EngineRuns` (engine_runs.py: submit, results, bounded retries)
+  yields `Answer`, `AnswerNow` or `DeadLetter`.
+* This loop acts on each outcome (`_act`) through the `ReplyPublisher` (reply_publisher.py:
+  produce, store, dead letters, retries in reply_retry.py; the offset is done on delivery).
+
+The worker keeps the loop, shutdown and the gauges; `kafka_config` has the client settings
+and the reply-topic check. A `FairEngine`'s fair-share gauges are read
+from its `queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from prometheus_client import CollectorRegistry
 
-from topics.catalog import DEAD_LETTERS, request_topic
+from topics.catalog import request_topic
 from workers.arm_control import ShareSource
 from workers.arm_routing import ArmRouter, ArmScopedStore
 from workers.drain import start_drain_monitor
 from workers.engine.types import TranslationEngine
 from workers.engine_runs import EngineRuns
-from workers.fairness.intake import IntakeController
 from workers.health import WorkerProbes, start_health_server
-from workers.kafka_config import (
-    ReplyTopicChecker,
-    consumer_config,
-    is_fatal,
-    producer_config,
-)
+from workers.kafka_config import ReplyTopicChecker, consumer_config, is_fatal, producer_config
 from workers.metrics import WorkerMetrics
-from workers.partitions import PartitionState
 from workers.process_hooks import (
     install_stop_signals,
     seconds_since_process_start,
@@ -85,22 +77,23 @@ from workers.process_hooks import (
     worker_registry,
 )
 from workers.record_intake import RecordIntake
-from workers.records import InFlight
-from workers.replies import STATUS_OF
-from workers.reply_publisher import ReplyPublisher
-from workers.results_store import (
-    CircuitBreakerStore,
-    RedisResultStore,
-    ResultStore,
+from workers.record_life import (
+    Answer,
+    AnswerNow,
+    DeadLetter,
+    Outcome,
+    RecordLife,
+    Resend,
+    Skip,
+    Submit,
 )
+from workers.replies import STATUS_OF
+from workers.reply_publisher import ReplyConfig, ReplyPublisher
+from workers.results_store import CircuitBreakerStore, RedisResultStore, ResultStore
 from workers.settings import Settings
 from workers.tracing import request_tracer
 
 __all__ = ["STATUS_OF", "Worker", "consumer_config", "producer_config"]
-
-# The poll's wait while requests are in the engine: their results become replies only between
-# polls, so this bounds the delay a finished request (or a cache hit) waits for its reply.
-BUSY_POLL_S = 0.002
 
 log = logging.getLogger(__name__)
 
@@ -148,62 +141,31 @@ class Worker:
         self.topic_lang: dict[str, str] = {
             prefix + request_topic(lang): lang for lang in settings.languages
         }
-        self.intake = IntakeController.from_policies(
-            {k: v for k, v in settings.policies.items() if k in settings.languages},
-            low_water_ratio=settings.low_water_ratio,
-            default_high_water=max(1, settings.max_in_flight),
-        )
-
+        self.life = RecordLife(settings, self.topic_lang, self.metrics)  # the records' state
+        self._crash = False
         self._consumer: Any = None
         self._producer: Any = None
-        self.partitions = PartitionState(
-            self.topic_lang, self.metrics, settings.commit_every, settings.commit_interval_s
-        )
-        self.tracker = self.partitions.tracker  # offsets per partition (tests, health)
-        self._global_paused = False
-        self._draining = False
-        self._crash = False
-        self._reply_topics = ReplyTopicChecker(settings.topic_check_ttl_s)
-        self.publisher = ReplyPublisher(
+        self.publisher = ReplyPublisher(  # the reply step: produce, store, dead letters
+            ReplyConfig.from_settings(settings, self.arms.model_version("") if self.arms else ""),
             store=self.store,
             metrics=self.metrics,
-            reply_topics=self._reply_topics,
-            dead_letter_topic=prefix + DEAD_LETTERS,
-            worker_id=settings.worker_id,
-            policies=settings.policies,
-            mark_done=self.partitions.mark_done,
-            reply_attempts=settings.reply_attempts,
+            reply_topics=ReplyTopicChecker(settings.topic_check_ttl_s),
+            mark_done=self.life.done,
             clock_ms=self._now_ms,
-            plain_model_version=self.arms.model_version("") if self.arms else "",
             tracer=request_tracer(settings, tracer_provider),
         )
-        self.runs = EngineRuns(  # the requests in the engine: submit, results, retries
-            engine,
+        self.runs = EngineRuns(engine, settings, self.life, self.metrics, self._now_ms)
+        self.records = RecordIntake(  # the intake step: a consumed batch -> outcomes
             settings,
+            self.life,
             self.publisher,
-            self.partitions,
-            self.intake,
-            self.metrics,
-            self._now_ms,
-        )
-        self._inflight: dict[str, InFlight] = self.runs.inflight  # request id -> in the engine
-        self.records = RecordIntake(  # a consumed batch: quotas, decode, dispatch
-            settings=settings,
-            engine=engine,
-            topic_lang=self.topic_lang,
-            intake=self.intake,
-            partitions=self.partitions,
-            store=self.store,
-            publisher=self.publisher,
-            runs=self.runs,
-            metrics=self.metrics,
+            engine_languages=lambda: tuple(getattr(engine, "languages", ()) or ()),
             arms=self.arms,
-            reply_topics=self._reply_topics,
             clock_ms=self._now_ms,
         )
         self._last_gauges = 0.0
         self._stop_event = threading.Event()
-        self.assigned_event = threading.Event()  # set once the first assignment arrived
+        self.assigned_event = self.life.assigned_event  # set once the first assignment arrived
         self.subscribed_event = threading.Event()  # engine started, consumer subscribed
         self.stopped_event = threading.Event()  # set when run() has returned
         self.metrics_port: int | None = None  # where run() serves /metrics (None: off)
@@ -239,9 +201,9 @@ class Worker:
                 self.arms.start()
             self._consumer.subscribe(
                 list(self.topic_lang),
-                on_assign=self._on_assign,
-                on_revoke=self._on_revoke,
-                on_lost=self._on_lost,
+                on_assign=self.life.on_assign,  # rebalances: the records' owner
+                on_revoke=self.life.on_revoke,
+                on_lost=self.life.on_lost,
             )
             self.subscribed_event.set()
             up, cpu = seconds_since_process_start(), time.process_time()
@@ -295,21 +257,23 @@ class Worker:
         consumer leaves the group (so a successor gets the partitions without waiting for the
         session timeout)."""
         self._crash = True
+        self.life.crashed = True
 
     # -- the loop -----------------------------------------------------------------------------
 
     def _iteration(self) -> None:
         try:
-            msgs = self._consume()
+            msgs = self.records.poll(self._consumer)
             if msgs:
                 self.metrics.batch_size.observe(len(msgs))
-                self.records.handle_batch(msgs, self._consumer, self._producer, self._draining)
-            self.runs.drain_done()
-            self.partitions.retry_rewinds(self._consumer)
+                draining = self.life.draining
+                self._act(self.records.take(msgs, self._consumer, self._producer, draining))
+            self._act(self.runs.drain_done())
+            self.life.retry_rewinds(self._consumer)
             self._producer.poll(0)
             self.publisher.retry_due(time.monotonic())  # replies / dead letters to produce again
-            self._reconcile_pauses()
-            self.partitions.maybe_commit(self._consumer)
+            self.life.reconcile_pauses(self._consumer)
+            self.life.maybe_commit(self._consumer)
             self._update_gauges()
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
@@ -321,34 +285,45 @@ class Worker:
             log.exception("worker loop: unexpected error (continuing)")
             time.sleep(0.05)
 
-    def _consume(self) -> list[Any]:
-        """The records ready now, else wait for the first one. `consume(n, timeout)` returns
-        only when it has n records or the timeout passed, so one call would hold a lone record
-        (a cache hit answered in microseconds) for the whole poll timeout. Instead: take what
-        is buffered without waiting; if nothing is, wait for one record (it returns as soon as
-        one arrives) and then take what came with it. The wait is `poll_timeout_s` when idle
-        and `BUSY_POLL_S` while requests are in the engine, whose results this loop turns
-        into replies between polls."""
-        consumer, most = self._consumer, self.settings.max_poll_records
-        msgs = consumer.consume(num_messages=most, timeout=0)
-        if msgs:
-            return list(msgs)
-        wait = self.settings.poll_timeout_s
-        if self._inflight:
-            wait = min(wait, BUSY_POLL_S)
-        first = consumer.consume(num_messages=1, timeout=wait)
-        if not first or most <= 1:
-            return list(first or [])
-        return [*first, *consumer.consume(num_messages=most - 1, timeout=0)]
+    def _act(self, outcomes: Iterable[Outcome]) -> None:
+        """Do what the steps decided, one outcome at a time (a step decides its next record
+        after the last one was acted on: workers.record_life). An outcome that raises becomes a
+        poison dead letter of its records (one that was a poison dead letter already raises)."""
+        publisher = self.publisher
+        for outcome in outcomes:
+            try:
+                match outcome:
+                    case Submit(rec):
+                        self._act(self.runs.submit(rec))
+                    case AnswerNow(rec, status, reason, error):
+                        publisher.answer_without_engine(rec, status, reason, error)
+                    case Resend(rec, value):
+                        publisher.produce_reply(rec, value, store=False)
+                    case DeadLetter(rec, reason, detail, reply_error=True):
+                        publisher.dead_letter_and_reply_error(rec, reason, str(detail))
+                    case DeadLetter(rec, reason, detail):
+                        publisher.dead_letter(rec, reason, detail)
+                    case Skip(rec):
+                        self.life.done(rec.tp, rec.offset)  # another arm's: no reply
+                    case Answer(inflight, result, model_version, finished_at):
+                        publisher.answer_from_engine(
+                            inflight, result, model_version=model_version, finished_at=finished_at
+                        )
+            except Exception as exc:
+                if isinstance(outcome, DeadLetter) and outcome.reason == "poison":
+                    raise
+                records = outcome.inflight.records if isinstance(outcome, Answer) else [outcome.rec]
+                for rec in records:
+                    publisher.dead_letter(rec, "poison", exc)
 
     def _shutdown(self) -> None:
-        log.info("worker %s draining %d in-flight", self.settings.worker_id, len(self._inflight))
-        self._draining = True
-        self._reconcile_pauses()
+        log.info("worker %s draining %d in-flight", self.settings.worker_id, self.in_flight())
+        self.life.draining = True
+        self.life.reconcile_pauses(self._consumer)
         end = time.monotonic() + self.settings.drain_timeout_s
-        while self._inflight and time.monotonic() < end:
+        while self.life.in_flight() and time.monotonic() < end:
             self._iteration()
-        for inflight in list(self._inflight.values()):
+        for inflight in self.life.requests():
             log.warning("drain timeout: abandoning %s (redelivered later)", inflight.request_id)
             with contextlib.suppress(Exception):
                 inflight.handle.cancel()
@@ -356,7 +331,7 @@ class Worker:
         if left:
             log.warning("%d messages not delivered at shutdown", left)
         self.publisher.unstored.flush()  # result writes that failed: one last try
-        self.partitions.commit(self._consumer)
+        self.life.commit(self._consumer)
         self._consumer.close()
         self.engine.stop(drain=False, timeout=5.0)
         log.info("worker %s stopped", self.settings.worker_id)
@@ -370,56 +345,9 @@ class Worker:
         with contextlib.suppress(Exception):
             self.engine.stop(drain=False, timeout=2.0)
 
-    # -- intake quotas ------------------------------------------------------------------------
-
-    def _wanted_paused(self) -> set[str]:
-        langs = set(self.topic_lang.values())
-        if self._draining or self._global_paused:
-            return langs
-        return set(self.intake.paused()) & langs
-
-    def _reconcile_pauses(self) -> None:
-        self.intake.to_pause()
-        self.intake.to_resume()
-        total = len(self._inflight)
-        cap = self.settings.max_in_flight
-        if total >= cap:
-            self._global_paused = True
-        elif self._global_paused and total <= math.floor(cap * self.settings.low_water_ratio):
-            self._global_paused = False
-        self.partitions.reconcile(self._consumer, self._wanted_paused())
-
     def paused_languages(self) -> set[str]:
         """Languages with at least one assigned partition paused now."""
-        return self.partitions.paused_languages()
-
-    # -- rebalance (served from consume() on the poll thread) ---------------------------------
-
-    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        try:
-            keys = self.partitions.assign(consumer, partitions, self._wanted_paused())
-            log.info("assigned %s", keys)
-            self.assigned_event.set()
-        except Exception:
-            log.exception("on_assign failed")
-
-    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        try:
-            keys = {(p.topic, p.partition) for p in partitions}
-            if not self._crash:  # close() after crash() revokes too: a crash commits nothing
-                self.partitions.commit(consumer, only=keys)
-            self.partitions.forget(keys)
-            log.info("revoked %s", sorted(keys))
-        except Exception:
-            log.exception("on_revoke failed")
-
-    def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        try:
-            keys = {(p.topic, p.partition) for p in partitions}
-            self.partitions.forget(keys)  # no commit: they already belong to someone else
-            log.warning("lost %s", sorted(keys))
-        except Exception:
-            log.exception("on_lost failed")
+        return self.life.paused_languages()
 
     # -- gauges -------------------------------------------------------------------------------
 
@@ -429,8 +357,9 @@ class Worker:
             return
         self._last_gauges = now
         paused = self.paused_languages()
+        depth = self.life.languages_depth(self.settings.languages)
         for lang in self.settings.languages:
-            self.metrics.in_flight.labels(lang=lang).set(self.intake.depth(lang))
+            self.metrics.in_flight.labels(lang=lang).set(depth[lang])
             self.metrics.paused.labels(lang=lang).set(1 if lang in paused else 0)
         snapshot = getattr(self.engine, "queue_snapshot", None)  # FairEngine: its queue's ledger
         if callable(snapshot):  # one frozen copy, taken under the engine's queue lock
@@ -443,21 +372,16 @@ class Worker:
     # -- introspection (tests, health) ---------------------------------------------------------
 
     def in_flight(self) -> int:
-        return len(self._inflight)
+        return self.life.in_flight()
 
     @property
     def draining(self) -> bool:
         """Shutting down: intake paused, in-flight requests finishing (readiness: false)."""
-        return self._draining
+        return self.life.draining
 
     @property
     def served_languages(self) -> tuple[str, ...]:
         return self.settings.languages
 
     def stats(self) -> Mapping[str, Any]:
-        return {
-            "in_flight": len(self._inflight),
-            "assigned": sorted(self.partitions.assigned),
-            "paused": sorted(self.partitions.paused),
-            "pending_offsets": self.tracker.total_pending(),
-        }
+        return self.life.stats()

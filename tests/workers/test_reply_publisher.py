@@ -23,7 +23,7 @@ from workers.fairness.policy import DEFAULT_POLICIES
 from workers.kafka_config import ReplyTopicChecker
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord, InFlight
-from workers.reply_publisher import ReplyPublisher
+from workers.reply_publisher import ReplyConfig, ReplyPublisher
 from workers.results_store import InMemoryResultStore, ResultStoreError
 
 NOW_MS = 1_700_000_000_000  # the publisher's (frozen) wall clock
@@ -70,12 +70,10 @@ def make_setup(store: InMemoryResultStore | None = None) -> Setup:
     done: list[tuple[tuple[str, int], int]] = []
     store = store if store is not None else InMemoryResultStore()
     publisher = ReplyPublisher(
+        ReplyConfig(DEAD_LETTERS, "w-pub", DEFAULT_POLICIES),
         store=store,
         metrics=metrics,
         reply_topics=reply_topics,
-        dead_letter_topic=DEAD_LETTERS,
-        worker_id="w-pub",
-        policies=DEFAULT_POLICIES,
         mark_done=lambda tp, offset: done.append((tp, offset)),
         clock_ms=lambda: NOW_MS,
     )

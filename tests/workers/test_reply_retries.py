@@ -31,7 +31,7 @@ from workers.kafka_config import ReplyTopicChecker
 from workers.metrics import WorkerMetrics
 from workers.offsets import OffsetTracker
 from workers.records import ConsumedRecord
-from workers.reply_publisher import ReplyPublisher
+from workers.reply_publisher import ReplyConfig, ReplyPublisher
 from workers.reply_retry import retry_delay_s
 from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
@@ -121,12 +121,10 @@ def make_setup(offsets: tuple[int, ...] = (5, 6, 7)) -> Setup:
         tracker.track(TP, offset)
     store = InMemoryResultStore()
     publisher = ReplyPublisher(
+        ReplyConfig(DEAD_LETTERS, "w-retry", DEFAULT_POLICIES),
         store=store,
         metrics=WorkerMetrics(registry),
         reply_topics=ReplyTopicChecker(ttl_s=3600.0),
-        dead_letter_topic=DEAD_LETTERS,
-        worker_id="w-retry",
-        policies=DEFAULT_POLICIES,
         mark_done=tracker.done,
         clock_ms=lambda: NOW_MS,
     )
@@ -392,7 +390,7 @@ def test_worker_loop_retries_a_dead_letter_until_the_topic_exists(
     time.sleep(0.3)  # several commit intervals
     group = worker.settings.group_id
     assert broker.committed.get((group, TOPIC, 0), 0) == 0  # held by the dead letter
-    assert worker.tracker.pending((TOPIC, 0)) == 1
+    assert worker.life.tracker.pending((TOPIC, 0)) == 1
 
     broker.create_topic(DEAD_LETTERS, 1)
     wait_for(lambda: len(broker.records(DEAD_LETTERS)) == 1, what="the retried dead letter")

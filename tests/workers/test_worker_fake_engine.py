@@ -144,6 +144,9 @@ def test_translates_every_request_once_and_commits(rig: Rig) -> None:
         ids.append((rid, lang, f"sentence number {i}"))
         rig.send(request_bytes(rid, f"sentence number {i}", target=lang), lang, key=rid.encode())
     wait_for(lambda: rig.reply_count() == 40, what="40 replies")
+    # a reply is in the topic before its delivery report is served: stored (then done, then
+    # committed) only once the worker's loop polls the producer
+    wait_for(lambda: rig.committed() == 40, what="all offsets committed")
     replies = rig.replies()
     for rid, lang, text in ids:
         r = replies[rid]
@@ -156,7 +159,6 @@ def test_translates_every_request_once_and_commits(rig: Rig) -> None:
         assert rig.store.get(rid) is not None
     # reply keys are the request ids
     assert {k for k, _ in rig.broker.records(REPLIES)} == {rid.encode() for rid, _, _ in ids}
-    wait_for(lambda: rig.committed() == 40, what="all offsets committed")
     assert rig.metric("tolk_worker_requests_total", lang="de", status="OK") == 10
     assert rig.metric("tolk_worker_tokens_generated_total", lang="fr") > 0
 
@@ -425,14 +427,14 @@ def test_revoke_commits_first() -> None:
         for i in range(3):
             r.send(request_bytes(f"v{i}"), "de", key=b"same")
         wait_for(lambda: r.reply_count() == 3)
-        wait_for(lambda: r.worker.tracker.total_pending() == 0)
+        wait_for(lambda: r.worker.life.tracker.total_pending() == 0)
         assert r.committed() == 0
         consumer = r.worker._consumer
         r.worker.stop()  # the loop is stopping; call the revoke path as librdkafka would
         r.thread.join(10)
         assert r.committed() == 3  # shutdown commit
         consumer.revoke_all()  # revoking after the commit is a no-op
-        assert r.worker.tracker.assigned() == frozenset()
+        assert r.worker.life.tracker.assigned() == frozenset()
     finally:
         r.worker.stop()
 

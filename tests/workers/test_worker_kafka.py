@@ -142,8 +142,8 @@ def test_200_requests_get_exactly_one_reply_each(env: Env, group_protocol: str) 
         (r,) = replies[rid]
         assert r["status"] == "OK" and r["text"] == text, r
     # every offset is committed once the replies are delivered
-    wait_for(lambda: worker.tracker.total_pending() == 0, what="nothing pending")
-    wait_for(lambda: worker.tracker.committable() == {}, what="all committed")
+    wait_for(lambda: worker.life.tracker.total_pending() == 0, what="nothing pending")
+    wait_for(lambda: worker.life.tracker.committable() == {}, what="all committed")
     assert worker.registry.get_sample_value("tolk_worker_duplicates_total") == 0
 
 
@@ -196,8 +196,8 @@ def test_bad_inputs_answered_while_valid_traffic_flows(env: Env) -> None:
     assert dls[1]["original"] == b"\xc3\x01not avro at all" and dls[1]["key"] == b"junk"
     assert "does not exist" in dls[0]["exception"]
     assert thread.is_alive()
-    wait_for(lambda: worker.tracker.total_pending() == 0, what="dead letters marked done")
-    wait_for(lambda: worker.tracker.committable() == {}, what="all committed")
+    wait_for(lambda: worker.life.tracker.total_pending() == 0, what="dead letters marked done")
+    wait_for(lambda: worker.life.tracker.committable() == {}, what="all committed")
 
 
 def test_redelivery_after_crash_reuses_stored_results(env: Env) -> None:
@@ -210,7 +210,7 @@ def test_redelivery_after_crash_reuses_stored_results(env: Env) -> None:
         env.send(env.request(f"{run}-{i}", f"crash test {i}", lang), lang, key=f"{run}-{i}")
     env.producer.flush(10)
     wait_for(lambda: len(env.replies) >= n, what="first replies")
-    wait_for(lambda: w1.tracker.total_pending() == 0, what="all delivered and stored")
+    wait_for(lambda: w1.life.tracker.total_pending() == 0, what="all delivered and stored")
     w1.crash()  # no commit
     env.workers[-1][1].join(20)
     assert len(engine1.submitted) == n
@@ -225,4 +225,4 @@ def test_redelivery_after_crash_reuses_stored_results(env: Env) -> None:
         first, second = replies[f"{run}-{i}"]
         assert first == second  # the same bytes: same text, same worker id, same timings
         assert first["worker_id"] == w1.settings.worker_id
-    wait_for(lambda: w2.tracker.committable() == {}, what="successor committed")
+    wait_for(lambda: w2.life.tracker.committable() == {}, what="successor committed")

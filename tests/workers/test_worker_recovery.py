@@ -69,7 +69,7 @@ def test_result_of_a_revoked_partition_is_dropped_and_the_new_owner_answers() ->
         wait_for(lambda: r.engine.pending() == 3, what="3 in the engine")
         consumer = r.worker._consumer
         consumer.schedule_revoke_all()
-        wait_for(lambda: r.worker.tracker.assigned() == frozenset(), what="revoked")
+        wait_for(lambda: r.worker.life.tracker.assigned() == frozenset(), what="revoked")
         r.engine.release()
         wait_for(lambda: r.worker.in_flight() == 0, what="results came back")
         time.sleep(0.1)
@@ -98,7 +98,7 @@ def test_result_of_a_partition_revoked_and_assigned_back_is_answered() -> None:
             r.send(request_bytes(f"back{i}", text=f"back {i}", target="fr"), "fr", key=b"k")
         wait_for(lambda: r.engine.pending() == 2, what="2 in the engine")
         consumer = r.worker._consumer
-        parts = r.worker.partitions
+        parts = r.worker.life.partitions
         first = max(parts.generation(tp) for tp in parts.tracker.assigned())
         consumer.schedule_revoke_all()
         consumer.schedule_assign_all()

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workers.engine.deadlines import expired
 from workers.engine.kv_cache import BlockCopy, KVCacheManager
 from workers.engine.types import (
     AdmissionDecision,
@@ -240,7 +241,7 @@ class Scheduler:
             finished.append(seq)
 
     def _admit(self, request: GenerationRequest, now: float, cached: int) -> AdmissionDecision:
-        if request.deadline is not None and now >= request.deadline:
+        if request.deadline is not None and expired(request.deadline, now):  # deadlines.py
             late_ms = (now - request.deadline) * 1e3
             return AdmissionDecision(
                 False, FinishReason.EXPIRED, f"deadline passed {late_ms:.0f} ms before admission"

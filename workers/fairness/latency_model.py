@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workers.engine.deadlines import expired, would_miss
 from workers.engine.types import FinishReason, GenerationRequest
 
 __all__ = [
@@ -261,7 +262,7 @@ class DeadlineAdmission:
     ) -> AdmissionDecision:
         if deadline is None:
             return AdmissionDecision(Verdict.ADMIT, "no deadline")
-        if now >= deadline:
+        if expired(deadline, now):  # the deadline rule, workers/engine/deadlines.py
             return AdmissionDecision(
                 Verdict.EXPIRED,
                 f"deadline passed {now - deadline:.3f}s ago",
@@ -273,7 +274,7 @@ class DeadlineAdmission:
         predicted = max(0.0, queue_wait_s) + service
         slack = deadline - (now + predicted)
         needed = predicted + service * self.margin_ratio + self.margin_s
-        if now + needed > deadline:
+        if would_miss(deadline, now, needed):
             return AdmissionDecision(
                 Verdict.REJECTED,
                 f"would miss deadline: needs ~{needed:.3f}s (queue {queue_wait_s:.3f}s + "

@@ -56,6 +56,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.engine.deadlines import would_miss
 from workers.engine.types import (
     AdmissionDecision,
     FinishReason,
@@ -289,7 +290,7 @@ class EngineAdmission:
         """
         if not self.explore or request.deadline is None:
             return False
-        return now + self.model.predict_prior(uncached, out, 1) <= request.deadline
+        return not would_miss(request.deadline, now, self.model.predict_prior(uncached, out, 1))
 
     def _trim(self, now: float) -> None:
         cut = now - self.rate_window_s

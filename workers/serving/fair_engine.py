@@ -13,7 +13,8 @@ threads (workers.serving.queue_snapshot: the precheck and the worker's gauges re
 copy of the ledger, never the dicts the engine thread is changing), and the rule that no
 request is answered OK after its deadline: a watchdog thread cancels running requests whose
 deadline passed, and a result that finishes late anyway is turned into EXPIRED before the
-caller sees it.
+caller sees it. Both apply the rule of `workers.engine.deadlines` (`DeadlineWatch`,
+`expire_if_late`); this module only runs the thread and holds the lock.
 
 `Engine` is imported lazily (inside `build_fair_engine`), so importing this module does not load
 torch; the CLI's `--help` stays instant.
@@ -21,7 +22,6 @@ torch; the CLI's `--help` stays instant.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import threading
@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from workers.deadlines import late_by
+from workers.engine.deadlines import DeadlineWatch, expire_if_late
 from workers.engine.types import (
     AdmissionDecision,
     FinishReason,
@@ -87,8 +87,7 @@ class FairEngine:
         self.precheck_enabled = precheck and admission is not None
         self.warm_prefix = warm_prefix
         self._prefix_len: dict[str, int] = {}
-        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
-        self._live: set[str] = set()
+        self._deadlines = DeadlineWatch()  # running requests with a deadline (under _lock)
         self._lock = threading.Lock()
         self._watchdog_interval_s = watchdog_interval_s
         self._stop = threading.Event()
@@ -152,12 +151,11 @@ class FairEngine:
         inner = self.engine.submit(request)
         if request.deadline is not None:
             with self._lock:
-                heapq.heappush(self._deadlines, (request.deadline, request.request_id))
-                self._live.add(request.request_id)
+                self._deadlines.watch(request.request_id, request.deadline)
 
         def done(result: GenerationResult) -> None:  # engine thread
             with self._lock:
-                self._live.discard(request.request_id)
+                self._deadlines.finished(request.request_id)
             if self.admission is not None:
                 try:
                     self.admission.observe(result, group=request.group)
@@ -184,35 +182,22 @@ class FairEngine:
     def _enforce_deadline(
         self, request: GenerationRequest, result: GenerationResult
     ) -> GenerationResult:
+        """The deadline rule on a finished result (`workers.engine.deadlines.expire_if_late`):
+        a late OK, or a cancel at the deadline, becomes EXPIRED."""
         if request.deadline is None:
             return result
-        finished_at = request.arrival + result.timings.total_s
-        late = late_by(request.deadline, finished_at)  # the worker's rule (workers/deadlines.py)
-        if result.ok and late is not None:
+        was_ok = result.ok
+        result = expire_if_late(result, request.deadline, request.arrival + result.timings.total_s)
+        if was_ok and not result.ok:
             self.late_ok_converted += 1
-            result.finish_reason = FinishReason.EXPIRED
-            result.error = f"finished {late * 1e3:.0f} ms after its deadline"
-            result.text = ""
-        elif result.finish_reason is FinishReason.CANCELLED and finished_at >= request.deadline:
-            result.finish_reason = FinishReason.EXPIRED
-            result.error = (
-                f"deadline passed while running; stopped after {result.tokens_out} tokens"
-            )
-            result.text = ""
         return result
 
     # -- deadline watchdog ---------------------------------------------------------------------
 
     def _watch(self) -> None:
         while not self._stop.wait(self._watchdog_interval_s):
-            now = time.monotonic()
-            due: list[str] = []
             with self._lock:
-                while self._deadlines and self._deadlines[0][0] <= now:
-                    _, rid = heapq.heappop(self._deadlines)
-                    if rid in self._live:
-                        self._live.discard(rid)
-                        due.append(rid)
+                due = self._deadlines.due(time.monotonic())
             for rid in due:
                 self.cancelled_late += 1
                 self.engine.cancel(rid)
