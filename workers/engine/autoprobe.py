@@ -167,8 +167,10 @@ def _measure(model: str, candidate: Candidate, root: Path) -> Measurement:
         dtype=candidate.dtype,
         quantize=candidate.quantize,
         compile_decode=candidate.compile_decode,
-        max_num_seqs=max(BATCHES),
-        kv_cache_tokens=2048,
+        # the pool and batch cap of the worker's own engine (EngineConfig's defaults): the
+        # compiled graphs are specialized to the KV pools' sizes, so a probe with smaller pools
+        # compiled graphs the worker could not reuse and its first start compiled twice
+        # (~5 min each on two cores, 2026-12-02)
         cache_dir=str(root),
     )
     try:
