@@ -76,7 +76,7 @@ def prior_from_step_costs(
     step_base_s: float, prefill_s_per_token: float, batch_s_per_seq: float
 ) -> LatencyPrior:
     """A latency prior from measured step costs (step = a + b * prefill + c * batch, the
-    simulator's `CostModel` in workers.serving.simulate): a request decoding `out` tokens in a
+    simulator's `CostModel` in workers.serving.sim_config): a request decoding `out` tokens in a
     batch of B spends `out` steps of a + c * B, plus b per uncached prompt token for its
     prefill. Far closer than the generic CPU prior on another machine, so the model predicts
     well before its first refit."""

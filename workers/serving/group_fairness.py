@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from workers.fairness.vtc import jain_index
-from workers.serving.simulate import SimConfig, simulate
+from workers.serving.sim_config import SimConfig
+from workers.serving.simulate import simulate
 
 __all__ = ["GroupResult", "simulate_group"]
 
