@@ -225,9 +225,6 @@ _NOT_YET_SPLIT = frozenset(
         "schemas/codec.py",
         "workers/arm_control.py",
         "workers/client.py",
-        "workers/engine/engine.py",
-        "workers/engine/kv_cache.py",
-        "workers/engine/loader.py",
         "workers/guard/app.py",
         "workers/metrics.py",
     }
