@@ -226,7 +226,6 @@ _NOT_YET_SPLIT = frozenset(
         "workers/arm_control.py",
         "workers/client.py",
         "workers/guard/app.py",
-        "workers/metrics.py",
     }
 )
 
