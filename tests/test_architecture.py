@@ -224,7 +224,6 @@ _NOT_YET_SPLIT = frozenset(
         "replay/job.py",
         "schemas/codec.py",
         "workers/arm_control.py",
-        "workers/client.py",
         "workers/guard/app.py",
     }
 )
