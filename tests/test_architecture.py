@@ -223,7 +223,6 @@ _NOT_YET_SPLIT = frozenset(
         "kernels/triton_attention.py",
         "replay/job.py",
         "schemas/codec.py",
-        "workers/guard/app.py",
     }
 )
 
