@@ -16,7 +16,7 @@ is what the torch reference spends its time on).
   output and log-sum-exp, and `_merge_kernel` combines them. The loop starts at the window's
   first position, so a sliding layer reads only its window.
 - Cascade (shared prefix): rows whose block tables start with the same full blocks (a warm
-  language prompt, the rule of `kernels.attention._shared_prefixes`) attend to those blocks
+  language prompt, the rule of `kernels.cascade.shared_prefixes`) attend to those blocks
   once together: `_prefix_kernel` stacks the rows' query heads of one KV head into the M
   dimension of one tile and reads each prefix K/V tile once per KV head for all of them; the
   decode kernel then starts those rows after the prefix, and the merge adds the prefix part by
@@ -51,7 +51,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata, _shared_prefixes
+from kernels.attention_metadata import AttentionMetadata
+from kernels.cascade import shared_prefixes
 from kernels.triton_common import (
     _check,
     _dot,
@@ -316,7 +317,7 @@ def triton_paged_attention(
     if meta.decode_only:
         shared: list[SharedPrefix] = []
         if softcap is None:
-            for n_blocks, rows in _shared_prefixes(meta, bs, sliding_window):
+            for n_blocks, rows in shared_prefixes(meta, bs, sliding_window):
                 shared.append((rows, meta.block_tables_list[rows[0]][:n_blocks]))
         splits = default_num_splits(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device)
         return paged_decode_attention(
