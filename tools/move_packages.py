@@ -14,7 +14,8 @@ script
    (`workers/x.py`, also without the leading `workers/` when a folder remains, e.g.
    `tm/cache_key.py`); `from workers import x` / `from workers.tm import cache_key` (a
    moved module imported by its parent) become `from <new parent> import <leaf> as <name>`;
-3. sorts and formats the changed Python files with ruff (imports move in their blocks).
+3. breaks the prose lines (comments, docstrings) a longer name pushed over 100 characters,
+   and sorts and formats the changed Python files with ruff (imports move in their blocks).
 
 A module that becomes its own package comes before the package's other rows. A row whose
 source does not exist is skipped with a warning (the other helpers of issue 27
@@ -41,6 +42,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 # fmt: off
@@ -250,6 +252,52 @@ class Rewriter:
         return "".join(f"{indent}{s}\n" for s in statements)
 
 
+MAX_LINE = 100  # ruff's line length (pyproject.toml)
+
+
+def wrap_long_prose(source: str) -> tuple[str, list[int]]:
+    """Lines a longer name pushed past MAX_LINE, broken at a space when they are prose: a
+    comment (the rest goes on a comment line below) or a line inside a multi-line string (a
+    docstring: the rest on the next line, same indentation). The numbers of the long lines that
+    are code, left for a person."""
+    lines = source.splitlines(keepends=True)
+    comments: dict[int, int] = {}  # line -> column of its comment
+    in_string: set[int] = set()
+    try:
+        for tok in tokenize.generate_tokens(iter(lines).__next__):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = tok.start[1]
+            elif tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                in_string.update(range(tok.start[0], tok.end[0] + 1))
+    except (tokenize.TokenError, SyntaxError):
+        return source, []
+    out: list[str] = []
+    code: list[int] = []
+    for number, line in enumerate(lines, 1):
+        body = line.rstrip("\n")
+        if len(body) <= MAX_LINE:
+            out.append(line)
+            continue
+        indent = body[: len(body) - len(body.lstrip())]
+        if number in comments:
+            first, prefix = comments[number] + 2, indent + "# "
+        elif number in in_string:
+            first, prefix = len(indent) + 1, indent
+        else:
+            code.append(number)
+            out.append(line)
+            continue
+        while len(body) > MAX_LINE:
+            cut = body.rfind(" ", first, MAX_LINE + 1)
+            if cut <= first:
+                break
+            out.append(body[:cut].rstrip() + "\n")
+            body = prefix + body[cut + 1 :]
+            first = len(prefix) + 1
+        out.append(body + "\n" if line.endswith("\n") else body)
+    return "".join(out), code
+
+
 def tracked_text_files(root: Path) -> list[Path]:
     files = []
     for name in git(root, "ls-files").splitlines():
@@ -303,12 +351,16 @@ def main(argv: list[str] | None = None) -> int:
             str(module_path(root, new).relative_to(root)))  # fmt: skip
     rewriter = Rewriter(moves)
     changed: list[Path] = []
+    long_code: list[str] = []
     for path in tracked_text_files(root):
         try:
             before = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue
         after = rewriter.python(before) if path.suffix == ".py" else rewriter.text(before)
+        if after != before and path.suffix == ".py":
+            after, code = wrap_long_prose(after)
+            long_code.extend(f"{path.relative_to(root)}:{n}" for n in code)
         if after != before:
             path.write_text(after, encoding="utf-8")
             changed.append(path)
@@ -319,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
         subprocess.run([ruff, "check", "--select", "I", "--fix", "-q", *py], cwd=root)
         subprocess.run([ruff, "format", "-q", *py], cwd=root)
+    for where in long_code:
+        print(f"long line of code after the rename (wrap it by hand): {where}")
     for module in unmapped(root):
         print(f"unmapped: {module} (add it to MOVES or STAYS)")
     return 0
