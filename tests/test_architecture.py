@@ -356,7 +356,10 @@ def test_no_product_file_over_400_lines() -> None:
 # tools/move_packages.py moves workers/ into packages by concern; these are the rules of that
 # layout, checked once it exists (the test skips while workers/kafka/ is absent). Same reading as
 # RULES above: package -> prefixes it must never import, NEW_LAYOUT_ALLOWED the exceptions.
-# Single modules (settings at the edge) are checked as one-file "packages".
+# Single modules (settings at the edge) are checked as one-file "packages". Right after the move
+# two rules fail on purpose, naming the code moves issue 27 asks for: settings imports the TTL
+# parsing of the L2 cache (it moves into settings), and tm/formats imports replay's text checks
+# and the cache key's normalize_text (both move to a module that tm and replay/cache import).
 
 _ENGINE_INSIDE = ("workers.engine",)  # a stage or the Kafka side sees the engine's boundary types
 NEW_LAYOUT_RULES: dict[str, tuple[str, ...]] = {
@@ -414,6 +417,7 @@ NEW_LAYOUT_RULES: dict[str, tuple[str, ...]] = {
 NEW_LAYOUT_ALLOWED: dict[str, tuple[str, ...]] = {
     "workers/kafka": ("workers.engine.types",),
     "workers/client": ("workers.kafka.config",),  # check_broker: one connection check
+    "workers/settings.py": ("workers.stages.context.rules",),  # the prompt layouts' names (pure)
 }
 
 

@@ -62,7 +62,6 @@ MOVES: list[tuple[str, str]] = [
     ("workers.reply_publisher",    "workers.kafka.reply_publisher"),    # the reply path
     ("workers.reply_retry",        "workers.kafka.reply_retry"),        # its retries
     ("workers.drain",              "workers.kafka.drain"),              # time to drain (broker lag)
-    ("workers.arms",               "workers.kafka.arms"),               # arm rules (pure; replay uses them)
     ("workers.arm_control",        "workers.kafka.arm_control"),        # share sources, control-topic writer
     ("workers.arm_reader",         "workers.kafka.arm_reader"),         # control-topic reader
     ("workers.arm_routing",        "workers.kafka.arm_routing"),        # which records an arm answers
@@ -93,10 +92,9 @@ MOVES: list[tuple[str, str]] = [
     ("workers.serving.pipeline",   "workers.serving.pipeline"),         # (new, issue 27) the builder: stays
     ("workers.engine_chain",       "workers.serving.chain"),            # the stages' order
     ("workers.deadlines",          "workers.serving.deadlines"),        # the deadline rule
-    # workers/store/: the Redis result store and what keeps it honest when Redis is down
+    # workers/store/: the Redis result store and the writes kept for later when Redis is down
     ("workers.results_store",      "workers.store.results"),
     ("workers.unstored",           "workers.store.unstored"),
-    ("workers.breaker",            "workers.store.breaker"),
 ]
 # fmt: on
 
@@ -117,6 +115,8 @@ STAYS = frozenset(
         "workers.process_hooks",
         "workers.ports",
         "workers.redaction",
+        "workers.arms",  # pure arm rules: the worker, the drill stage, settings and replay use them
+        "workers.breaker",  # the circuit breaker of both Redis users (result store, L2 cache)
     }
 )
 
@@ -129,7 +129,7 @@ PACKAGES: dict[str, str] = {
     "workers.stages.drill": "A canary made bad on purpose, for rollback drills.",
     "workers.stages.examples": "Retrieved translation-memory examples in the prompt.",
     "workers.stages.cache": "The exact-match translation cache: L1 in memory, L2 in Redis.",
-    "workers.store": "The Redis result store, its circuit breaker, and writes kept for later.",
+    "workers.store": "The Redis result store, and the writes kept for later while Redis is down.",
 }
 
 SKIP_DIRS = ("data/",)
