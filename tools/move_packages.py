@@ -133,7 +133,12 @@ PACKAGES: dict[str, str] = {
 }
 
 SKIP_DIRS = ("data/",)
-SKIP_SUFFIXES = (".jsonl", ".csv", ".avsc", ".cpp", ".xml")
+SKIP_SUFFIXES = (
+    ".jsonl",
+    ".csv",
+    ".cpp",
+    ".xml",
+)  # .avsc: only "doc" names files, not in the fingerprint
 
 
 def module_path(root: Path, module: str) -> Path:
