@@ -15,7 +15,7 @@ Prints one JSON document (and writes it to --out). Parts:
   and FCFS side by side: Jain index and weight-normalized service of the backlogged languages,
   Italian's p99 and SLO attainment per window, throughput ratio VTC / FCFS.
 * real: the same scenario through a real broker: an open-loop producer (Poisson schedule per
-  language, latency measured from the *scheduled* send time, PITFALLS: coordinated omission)
+  language, latency measured from the *scheduled* send time, so no coordinated omission)
   writes Avro requests to `<prefix>tolk.requests.<lang>`, an in-process `workers.worker.Worker`
   serves them with a `FairEngine` (VTC or FCFS), a reader collects the replies. Arms: `vtc`,
   `fcfs` (no deadlines: a deadline would cap FCFS's queueing and hide what it does to the

@@ -2,7 +2,8 @@
 
 Labels are bounded sets only: the target language (the topic's language, a handful of codes),
 a status (the four ResultStatus symbols) and short machine-readable reasons. Request ids,
-conversation ids or free text never become labels (PITFALLS: label cardinality).
+conversation ids or free text never become labels (each label value is a time series of its
+own: an unbounded label grows Prometheus' memory without bound).
 
 The metrics of the serving stages (protected spans, faithfulness, translation-memory retrieval,
 conversation context, the exact-match cache) are registered by `workers/metrics_stages.py`'s
