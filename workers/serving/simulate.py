@@ -31,8 +31,8 @@ replaced:
 - The queue is charged by the scheduler, as in the engine: uncached prompt tokens at admission,
   output tokens as decoded.
 - Arrivals are open loop (no coordinated omission: a slow engine does not slow the arrivals):
-  Poisson per language with its own seeded generator, an optional burst already waiting at t =
-  0, and optional scripted arrivals (`ScriptedArrival`). They are pushed in order of (arrival
+  Poisson per language with its own seeded generator, an optional burst already waiting at
+  t = 0, and optional scripted arrivals (`ScriptedArrival`). They are pushed in order of (arrival
   time, language, request id) before the first step that starts at or after their arrival. A
   request's SLO is the language's; with `drop_expired` its deadline is arrival + SLO and the
   scheduler expires it if that passed before admission (the engine's deadline rule), otherwise
