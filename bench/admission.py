@@ -12,7 +12,8 @@ credit (256). Cases: the light language's requests one at a time, or in
 groups of `--group` arriving together (a chat turn split into segments); batch caps 8 and 16.
 Per language: offered, OK, REJECTED at submission, EXPIRED or refused at admission, P99 of the
 OK and late ones, goodput (OK within the SLO / offered). No model and no Kafka: the step costs
-are the CPU anchors of PITFALLS (`CostModel` defaults), so it runs in seconds on any machine.
+are CPU anchors measured on a 2-thread CPU (`CostModel` defaults), so it runs in seconds on
+any machine.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 # anchor's kernels are the ones the engine benchmarks compare against. Debian 12 has no
 # llama.cpp package.
 #
-# Flags (the ones shared/PITFALLS.md gives for llama-cpp-python on these machines):
+# Flags (those of the llama-cpp-python build the engine benchmarks use, docs/BENCHMARKS.md):
 #   -DGGML_NATIVE=OFF with AVX, AVX2, FMA, F16C, BMI2, AVX512 (F, VBMI, VNNI, BF16) on and
 #   AMX (TILE, INT8, BF16) off. A `-march=native` build (GGML_NATIVE=ON) compiles ggml's AMX
 #   path on the Intel Xeons here, which crashes with SIGILL at the first decode on these

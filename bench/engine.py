@@ -80,6 +80,7 @@ from bench._common import (
     thread_env,
     write_json,
 )
+from bench.engine_rows import gguf_path, measure, prompt_stats, row, run_metrics
 
 log = logging.getLogger("bench.engine")
 
@@ -88,14 +89,6 @@ TOLK_SYSTEMS = ("tolk", "tolk-prefix")  # the second: prefix cache on, language 
 LLAMACPP_SYSTEMS = ("llamacpp", "llamacpp-prefix")  # the second: the prefix decoded once
 SOURCE_LANG, TARGET_LANG = "en", "de"
 TTFT_SENTENCE_OFFSET = 500  # TTFT trials use sentences no throughput prompt uses
-METRICS = (
-    "ttft_s",
-    "total_s",
-    "prefill_tok_s",
-    "decode_tok_s",
-    "decode_tok_s_window",
-    "aggregate_tok_s",
-)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -149,62 +142,6 @@ def build_prompts(model: str, max_batch: int, ttft_trials: int) -> JSON:
         "template": builder.template_name,
         "ttft_texts": ttft_texts,
         "gguf": str(gguf_path(model)),  # so the llama.cpp worker never imports torch
-    }
-
-
-def gguf_path(model: str) -> Path:
-    from workers.engine.loader import resolve_source
-
-    return resolve_source(model)[1]
-
-
-def prompt_stats(ids: Sequence[Sequence[int]]) -> JSON:
-    lens = [len(x) for x in ids]
-    return {"total": sum(lens), "min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)}
-
-
-# -- measurement --------------------------------------------------------------------------------
-def run_metrics(
-    batch: int,
-    prompt_tokens: int,
-    ttft: float,
-    total: float,
-    new: int,
-    *,
-    decode_s: float,
-    decode_tokens: int | None = None,
-) -> JSON:
-    """`decode_s`: the time of the decode phase (every sequence decoding), in which
-    `decode_tokens` (default B * (new - 1)) tokens were made."""
-    decode_tokens = batch * (new - 1) if decode_tokens is None else decode_tokens
-    return {
-        "ttft_s": ttft,
-        "total_s": total,
-        "prefill_tok_s": prompt_tokens / max(ttft, 1e-9),
-        "decode_tok_s": decode_tokens / max(decode_s, 1e-9),
-        "decode_tok_s_window": batch * (new - 1) / max(total - ttft, 1e-9),
-        "aggregate_tok_s": batch * new / max(total, 1e-9),
-    }
-
-
-def measure(once: Callable[[], JSON], repeats: int) -> JSON:
-    """One warm-up call, then `repeats` timed ones; medians per metric (raw values kept)."""
-    once()
-    runs = [once() for _ in range(repeats)]
-    out: JSON = {k: summarize([r[k] for r in runs]) for k in METRICS}
-    for k, v in runs[-1].items():  # non-metric facts of the last run (tokens, cache hits)
-        if k not in METRICS:
-            out[k] = v
-    return out
-
-
-def row(system: str, model: str, dtype: str, batch: int, ids: Sequence[Sequence[int]]) -> JSON:
-    return {
-        "system": system,
-        "model": model,
-        "dtype": dtype,
-        "batch": batch,
-        "prompt_tokens": prompt_stats(ids),
     }
 
 
@@ -452,7 +389,7 @@ def hf_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
 
 def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
-    from bench.engine_llamacpp import llamacpp_worker as worker
+    from bench.engine_llamacpp import llamacpp_worker as worker  # only its worker loads it
 
     return worker(args, prompts)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import JSON
-from bench.engine import gguf_path, measure, row, run_metrics
+from bench.engine_rows import gguf_path, measure, row, run_metrics
 
 
 def llamacpp_worker(args: argparse.Namespace, prompts: JSON) -> JSON:

@@ -15,7 +15,7 @@ Prints one JSON document (and writes it to --out). Parts:
   and FCFS side by side: Jain index and weight-normalized service of the backlogged languages,
   Italian's p99 and SLO attainment per window, throughput ratio VTC / FCFS.
 * real: the same scenario through a real broker: an open-loop producer (Poisson schedule per
-  language, latency measured from the *scheduled* send time, PITFALLS: coordinated omission)
+  language, latency measured from the *scheduled* send time, so no coordinated omission)
   writes Avro requests to `<prefix>tolk.requests.<lang>`, an in-process `workers.worker.Worker`
   serves them with a `FairEngine` (VTC or FCFS), a reader collects the replies. Arms: `vtc`,
   `fcfs` (no deadlines: a deadline would cap FCFS's queueing and hide what it does to the
@@ -56,7 +56,8 @@ from bench._common import machine_info
 from workers.fairness.latency_model import LatencyModel
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, DEFAULT_POLICIES, LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, jain_index
-from workers.serving.simulate import CostModel, issue_scenario, simulate
+from workers.serving.sim_config import CostModel, issue_scenario
+from workers.serving.simulate import simulate
 
 log = logging.getLogger("bench.fairness")
 
@@ -200,7 +201,7 @@ def auto_slo_scale(
     the light one's w, about W / w requests' worth of service at full throughput, i.e.
     (W / w) / capacity_rps. Both terms scale with the machine's speed, so the ratio between
     the SLOs stays the issue's; on a GPU the scale is 1."""
-    from workers.serving.simulate import estimate_capacity_rps
+    from workers.serving.sim_config import estimate_capacity_rps
 
     service = cost.step_time(int(prompt_tokens), max_batch) + out_tokens * cost.step_time(
         0, max_batch
@@ -605,7 +606,7 @@ def _phases(
 def run_real(
     args: argparse.Namespace, loaded: Any, cal: dict, slo_scale: float, texts: Sequence[str]
 ) -> dict:
-    from workers.serving.simulate import estimate_capacity_rps
+    from workers.serving.sim_config import estimate_capacity_rps
 
     lo, hi = cal["uncached_prompt_tokens"]
     out = 0.75 * args.max_new_tokens

@@ -16,15 +16,16 @@ is what the torch reference spends its time on).
   output and log-sum-exp, and `_merge_kernel` combines them. The loop starts at the window's
   first position, so a sliding layer reads only its window.
 - Cascade (shared prefix): rows whose block tables start with the same full blocks (a warm
-  language prompt, the rule of `kernels.attention._shared_prefixes`) attend to those blocks
+  language prompt, the rule of `kernels.cascade.shared_prefixes`) attend to those blocks
   once together: `_prefix_kernel` stacks the rows' query heads of one KV head into the M
   dimension of one tile and reads each prefix K/V tile once per KV head for all of them; the
   decode kernel then starts those rows after the prefix, and the merge adds the prefix part by
   its log-sum-exp (`out = sum_i out_i * exp(lse_i - lse)`), as the reference's cascade does.
 - `triton_paged_attention(q, k_cache, v_cache, meta, scale, sliding_window, softcap)`: the
   reference's signature, choosing the decode path (with cascade) or the varlen prefill kernel
-  (`varlen_paged_attention`, in `kernels/triton_prefill_attention.py`, which shares this
-  module's `_dot` / `_softcap` and host checks).
+  (`varlen_paged_attention`, in `kernels/triton_prefill_attention.py`; the jit helpers
+  `_dot` / `_softcap` / `_softmax_tile` and the host checks both use are in
+  `kernels/triton_common.py`).
 
 Numerics: scores, softmax and accumulation in float32. On a GPU, bfloat16/float16 pools feed
 `tl.dot` in their own dtype (tensor cores) with the probabilities rounded to it, as flash
@@ -33,10 +34,11 @@ reference up to summation order. Soft-capped logits (`tanh(s / c) * c`) use `2 s
 Under `TRITON_INTERPRET=1` (CPU tests) every `tl.dot` runs on float32 operands: the
 interpreter's bfloat16 dot is wrong (raw bits); loads and casts of bfloat16 are right.
 
-A leaf: torch, triton, `kernels.attention` (the metadata and the cascade rule) and, for the
-varlen path, `kernels.triton_prefill_attention`. Triton reads `TRITON_INTERPRET` when the
-kernels are decorated, i.e. when this module is imported; the module records what it got in
-`INTERPRETED` (tests load a private interpreted copy, `tests/kernels/triton_interpreter.py`).
+A leaf: torch, triton, `kernels.attention` (the metadata and the cascade rule),
+`kernels.triton_common` and, for the varlen path, `kernels.triton_prefill_attention`. Triton
+reads `TRITON_INTERPRET` when the kernels are decorated, i.e. when these modules are imported;
+`kernels.triton_common.INTERPRETED` records what it got (tests run the
+kernels in a child process under the interpreter, `tests/kernels/triton_interpreter.py`).
 """
 
 from __future__ import annotations
@@ -49,45 +51,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.attention import AttentionMetadata, _shared_prefixes
-
-INTERPRETED: bool = bool(triton.knobs.runtime.interpret)  # decided by triton at decoration
-NOT_RUNNABLE = "the Triton kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1)"
+from kernels.attention_metadata import AttentionMetadata
+from kernels.cascade import shared_prefixes
+from kernels.triton_common import (
+    _check,
+    _dot,
+    _dot_dtypes,
+    _softcap,
+    _softmax_tile,
+)
+from kernels.triton_prefill_attention import varlen_paged_attention
 
 # (rows, block ids) of one shared prefix: the rows' block tables all start with these blocks
 SharedPrefix = tuple[Sequence[int], Sequence[int]]
 
 BLOCK_N_DECODE = 32  # key positions per loop iteration (decode)
-
-
-@triton.jit
-def _softcap(s, SOFTCAP: tl.constexpr):
-    if SOFTCAP > 0.0:  # tanh(s / c) * c, as 2 sigmoid(2x) - 1 (no tanh in core triton)
-        s = SOFTCAP * (2.0 * tl.sigmoid(2.0 * s / SOFTCAP) - 1.0)
-    return s
-
-
-@triton.jit
-def _dot(a, b, DOT_LOW: tl.constexpr, LOW: tl.constexpr):
-    """a @ b with float32 accumulation: in the pool's low precision dtype (GPU tensor cores) or
-    float32 without TF32 (float32 pools, and always under the interpreter)."""
-    if DOT_LOW:
-        return tl.dot(a.to(LOW), b.to(LOW))
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-
-
-@triton.jit
-def _softmax_tile(s, v, m_i, l_i, acc, DOT_LOW: tl.constexpr, LOW: tl.constexpr):
-    """One key tile of the online softmax: scores `s` [M, N] (positions not seen at -inf) and
-    values `v` [N, D] folded into the running max `m_i` [M], sum `l_i` [M] and output `acc`
-    [M, D]; returns the three updated."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
-    p = tl.exp(s - m_use[:, None])
-    alpha = tl.exp(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p, v, DOT_LOW, LOW)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -233,22 +211,6 @@ def _merge_kernel(
 # -- host side --------------------------------------------------------------------------------
 
 
-def _check(q: Tensor, k_cache: Tensor) -> None:
-    if not INTERPRETED and not q.is_cuda:
-        raise RuntimeError(NOT_RUNNABLE)
-    d = q.shape[-1]
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and the KV pools need a contiguous last dimension")
-
-
-def _dot_dtypes(k_cache: Tensor) -> tuple[bool, tl.dtype]:
-    """(use the pool's dtype in tl.dot, that dtype): low precision only on a real GPU."""
-    low = k_cache.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
-    return low, tl.bfloat16 if k_cache.dtype == torch.bfloat16 else tl.float16
-
-
 def default_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits of the context so that about two programs per SM run (flash-decoding), at least
     256 positions per split; 1 on the CPU."""
@@ -355,16 +317,13 @@ def triton_paged_attention(
     if meta.decode_only:
         shared: list[SharedPrefix] = []
         if softcap is None:
-            for n_blocks, rows in _shared_prefixes(meta, bs, sliding_window):
+            for n_blocks, rows in shared_prefixes(meta, bs, sliding_window):
                 shared.append((rows, meta.block_tables_list[rows[0]][:n_blocks]))
         splits = default_num_splits(q.shape[0], k_cache.shape[2], meta.max_seq_len, q.device)
         return paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window,
             softcap, num_splits=splits, shared=shared,
         )  # fmt: skip
-    # imported here: the prefill module imports this one's jit helpers (no import cycle)
-    from kernels.triton_prefill_attention import varlen_paged_attention
-
     return varlen_paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         max(meta.query_lens_list, default=1), scale, sliding_window, softcap,

@@ -13,12 +13,12 @@ block, and the query at position `p` sees positions `<= p` and, with a sliding w
   gather and one SDPA call per prefilling sequence); for long single prompts SDPA's flash
   kernel over a contiguous copy is as fast, but a step's many short chunks are one launch here.
 
-Numerics as in `kernels/triton_attention.py`, whose jit helpers (`_dot`: the dtype of `tl.dot`
-on a GPU and under the interpreter, `_softcap`, `_softmax_tile`: one key tile of the online
-softmax) and host checks this module uses; its torch
-reference is `kernels.attention.paged_attention`.
+Numerics as in `kernels/triton_attention.py`; the jit helpers both use (`_dot`: the dtype of
+`tl.dot` on a GPU and under the interpreter, `_softcap`, `_softmax_tile`: one key tile of the
+online softmax) and the host checks are in `kernels/triton_common.py`; its torch reference is
+`kernels.attention.paged_attention`.
 
-A leaf: torch, triton and `kernels.triton_attention`.
+A leaf: torch, triton and `kernels.triton_common`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton_attention import _check, _dot, _dot_dtypes, _softcap, _softmax_tile
+from kernels.triton_common import _check, _dot, _dot_dtypes, _softcap, _softmax_tile
 
 __all__ = ["BLOCK_M_PREFILL", "BLOCK_N_PREFILL", "varlen_paged_attention"]
 

@@ -19,17 +19,16 @@ answered every request, or `wait_s` after the last send; it stops early, unfinis
 is resumed by running again with its directory: the run's own settings (run.json) apply,
 requests already in requests.jsonl are not sent again, the remaining schedule starts now, and
 replies are read on from the last offset recorded in replies.jsonl. The run directory's format
-is `replay/run_dir.py`'s.
+is `replay/run_dir.py`'s; who answered what (`ReplyBook`), the progress line and the summary
+are `replay/job_report.py`'s.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,19 +38,17 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from replay import run_dir as rd
 from replay.datasets import data_file
+from replay.job_report import NO_ARM, JobReport, ReplyBook
 from replay.logs import KNOWN_LANGUAGES, LogFormat, read_log
 from replay.pacing import Pacer, Planned, schedule, select_records
-from schemas.codec import SchemaError, decode_result, encode_request
+from schemas.codec import encode_request
 from topics.admin import ensure_topics
 from topics.catalog import REQUEST_RETENTION_MS, TopicSpec, catalog, request_topic
-from workers.arms import split_arm
 
 MIRROR_KEY = "tolk.mirror"
 RUN_KEY = "tolk.replay_run"
 REPLY_TOPIC_PREFIX = "tolk.replay."
 DEFAULT_LOG = "bcontrast_wmt20_chat/dev.json"
-NO_ARM = "(no arm)"  # summary label of replies whose model_version names no arm
-SEND_LAG_TARGET_MS = 50.0
 COMPLETE_GRACE_S = 5.0  # without --arms: wait at least this after the last send
 
 
@@ -85,63 +82,7 @@ def reply_topic_name(run_id: str, prefix: str = "") -> str:
     return f"{prefix}{REPLY_TOPIC_PREFIX}{run_id}"
 
 
-def arm_of(model_version: str) -> str | None:
-    """The arm a reply's model_version names (`"gemma3@B"` -> `"B"`), None for none."""
-    return split_arm(model_version)[1]
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-class ReplyBook:
-    """Who answered what: per arm, the request ids answered and the duplicates."""
-
-    def __init__(self, expected_arms: Sequence[str]) -> None:
-        self.expected = tuple(expected_arms)
-        self.sent: dict[str, int] = {}  # request id -> planned index
-        self.answered: dict[str, set[str]] = {arm: set() for arm in self.expected}
-        self.duplicates: Counter[str] = Counter()
-        self.unknown = 0  # replies to request ids this run never sent
-
-    def arms(self) -> list[str]:
-        return list(self.expected) if self.expected else sorted(self.answered)
-
-    def add(self, request_id: str, arm_label: str) -> bool:
-        """Record one reply; True when it makes the request answered by every arm."""
-        if request_id not in self.sent:
-            self.unknown += 1
-            return False
-        answered = self.answered.setdefault(arm_label, set())
-        if request_id in answered:
-            self.duplicates[arm_label] += 1
-            return False
-        answered.add(request_id)
-        return self.answered_by_all(request_id)
-
-    def answered_by_all(self, request_id: str) -> bool:
-        arms = self.arms()
-        return bool(arms) and all(request_id in self.answered.get(a, ()) for a in arms)
-
-    def complete(self) -> bool:
-        arms = self.arms()
-        return bool(arms) and all(len(self.answered.get(a, ())) >= len(self.sent) for a in arms)
-
-    def counts(self) -> dict[str, dict[str, int]]:
-        arms = self.arms()
-        return {
-            "answered": {a: len(self.answered.get(a, ())) for a in arms},
-            "unanswered": {a: len(self.sent) - len(self.answered.get(a, ())) for a in arms},
-            "duplicates": {a: self.duplicates.get(a, 0) for a in arms},
-        }
-
-
-class ReplayJob:
+class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report.py
     """One session of a replay run (a fresh run, or the continuation of an unfinished one)."""
 
     def __init__(self, config: ReplayConfig, echo: Callable[[str], None] | None = None) -> None:
@@ -421,87 +362,6 @@ class ReplayJob:
                 self.echo(f"[replay] request {request_id} not delivered: {err}")
 
         return report
-
-    def _take_reply(self, msg: Any) -> None:
-        if msg.error() is not None:
-            return
-        try:
-            result = decode_result(msg.value() or b"")
-        except SchemaError:
-            self.undecodable += 1
-            return
-        received_ms = self.clock()
-        rid = str(result["request_id"])
-        version = str(result.get("model_version") or "")
-        arm = arm_of(version)
-        self.replies_out.write(
-            {
-                "request_id": rid,
-                "arm": arm,
-                "model_version": version,
-                "status": str(result["status"]),
-                "text": result.get("text", ""),
-                "error": result.get("error"),
-                "received_ms": received_ms,
-                "created_at_ms": self.created_at.get(rid),
-                "completed_at_ms": result.get("completed_at"),
-                "worker_id": result.get("worker_id"),
-                "metadata": dict(result.get("metadata") or {}),
-                "partition": msg.partition(),
-                "offset": msg.offset(),
-            }
-        )
-        if self.book.add(rid, arm or NO_ARM):
-            self.pacer.mark_answered(self.book.sent[rid], received_ms)
-
-    # -- reporting ----------------------------------------------------------------------------
-
-    def _progress_line(self, total: int) -> str:
-        counts = self.book.counts()["answered"]
-        answered = " ".join(f"{a}={n}" for a, n in counts.items()) or "none yet"
-        return (
-            f"[replay {self.info['run_id']}] sent {len(self.book.sent)}/{total}, "
-            f"answered {answered}"
-        )
-
-    def _summary(self, total: int, finished: bool) -> dict[str, Any]:
-        counts = self.book.counts()
-        lag_p99 = percentile(self.lags, 99)
-        messages = []
-        missing = [a for a, n in counts["answered"].items() if n == 0 and self.book.sent]
-        if not counts["answered"] and self.book.sent:
-            messages.append(
-                f"no arm answered any of {len(self.book.sent)} requests within "
-                f"{self.info['wait_s']:.0f}s: is a worker consuming the request topics?"
-            )
-        for arm in missing:
-            messages.append(
-                f"arm {arm!r} sent no reply at all within {self.info['wait_s']:.0f}s after the "
-                f"last send: is `tolk worker --arm {arm}` running on these topics?"
-            )
-        if lag_p99 is not None and lag_p99 > SEND_LAG_TARGET_MS:
-            messages.append(
-                f"send lag P99 {lag_p99:.1f} ms is over the {SEND_LAG_TARGET_MS:.0f} ms target"
-            )
-        return {
-            "run_id": self.info["run_id"],
-            "run_dir": str(self.run_dir),
-            "reply_topic": self.info["reply_topic"],
-            "finished": finished,
-            "stopped": self.stop_reason if not finished else "done",
-            "selected": total,
-            "sent": len(self.book.sent),
-            "send_failed": len(self.send_failed),
-            **counts,
-            "unknown_replies": self.book.unknown,
-            "undecodable_replies": self.undecodable,
-            "problems": self.problem_count,
-            "send_lag_p99_ms": None if lag_p99 is None else round(lag_p99, 2),
-            "send_lag_max_ms": round(max(self.lags), 2) if self.lags else None,
-            "closed_loop_timeouts": self.pacer.closed_loop_timeouts,
-            "missing_arms": missing,
-            "messages": messages,
-        }
 
 
 def run_replay(config: ReplayConfig, echo: Callable[[str], None] | None = None) -> dict[str, Any]:

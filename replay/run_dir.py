@@ -48,7 +48,8 @@ def new_run_id(now_s: float | None = None) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (lscpu's "Model name"), for the report (PITFALLS: Intel vs AMD)."""
+    """The CPU's model name (lscpu's "Model name"), for the report (Intel and AMD
+    machines differ in which kernels are fastest: docs/BENCHMARKS.md)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:

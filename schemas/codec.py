@@ -3,7 +3,10 @@
 Design notes
 ------------
 * The ``*.avsc`` files beside this module are the source of truth. They are read and parsed
-  once per process (``builtin_schemas()``); codecs share the parsed forms.
+  once per process (``builtin_schemas()``); codecs share the parsed forms. Reading them, the
+  fingerprints and the parsed writer forms are ``schemas/schema_files.py``'s (the names,
+  ``SchemaError`` and ``schema_fingerprint`` re-exported here); this module is the codec and
+  its wire formats.
 * Wire format. By default a value is Avro *single-object encoding*: ``C3 01``, the 8-byte
   CRC-64-AVRO fingerprint of the writer schema's Parsing Canonical Form (little-endian), then
   the Avro binary body. The bytes say which schema wrote them, so a reader can resolve old
@@ -27,22 +30,33 @@ Design notes
 
 from __future__ import annotations
 
-import copy
 import functools
 import io
 import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, Literal
+from typing import Any
 
 import fastavro
-from fastavro.schema import fingerprint as _fastavro_fingerprint
-from fastavro.schema import to_parsing_canonical_form
 
-from schemas.limits import DEFAULT_LIMITS, BodyScanner, DecodeLimits, LimitExceeded, WireLayout
-from schemas.limits import compile_layout as _compile_layout
+from schemas.limits import DEFAULT_LIMITS, BodyScanner, DecodeLimits, LimitExceeded
+from schemas.schema_files import (
+    ARM_SHARES,
+    DEAD_LETTER,
+    PREVIOUS_SCHEMA_FILES,
+    REQUEST,
+    RESULT,
+    ROLLOUT_EVENT,
+    SchemaError,
+    Timestamps,
+    Writer,
+    builtin_schemas,
+    builtin_writers,
+    make_writer,
+    read_schema_file,
+    schema_fingerprint,
+)
 
 __all__ = [
     "ARM_SHARES",
@@ -69,38 +83,10 @@ __all__ = [
     "schema_fingerprint",
 ]
 
-# Full names of the built-in schemas.
-REQUEST = "tolk.TranslationRequest"
-RESULT = "tolk.TranslationResult"
-DEAD_LETTER = "tolk.DeadLetter"
-ARM_SHARES = "tolk.ArmShares"  # the control topic's values (workers.arm_control)
-ROLLOUT_EVENT = "tolk.RolloutEvent"  # the canary guard's events (workers.guard)
-
-_SCHEMA_FILES = {
-    REQUEST: "translation_request.avsc",
-    RESULT: "translation_result.avsc",
-    DEAD_LETTER: "dead_letter.avsc",
-    ARM_SHARES: "arm_shares.avsc",
-    ROLLOUT_EVENT: "rollout_event.avsc",
-}
-# Earlier versions of the built-in schemas: known as writers by every codec with the built-in
-# schemas, so records they wrote (single-object encoding names its writer) still decode.
-_PREVIOUS_SCHEMA_FILES = ("translation_result.v1.avsc",)
-
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 SINGLE_OBJECT_HEADER_LEN = 10  # magic (2) + fingerprint (8)
 CONFLUENT_MAGIC = 0
 CONFLUENT_HEADER_LEN = 5  # magic (1) + schema id (4, big-endian)
-
-_TIMESTAMP_TYPES = frozenset(
-    {"timestamp-millis", "timestamp-micros", "local-timestamp-millis", "local-timestamp-micros"}
-)
-
-Timestamps = Literal["millis", "datetime"]
-
-
-class SchemaError(ValueError):
-    """A value could not be encoded or decoded with tolk's Avro schemas."""
 
 
 @dataclass(frozen=True)
@@ -118,87 +104,6 @@ class SchemaIds:
         for name, schema_id in self.ids.items():
             if not 0 <= schema_id < 2**31:
                 raise ValueError(f"schema id for {name} out of range: {schema_id}")
-
-
-@dataclass(frozen=True, slots=True)
-class _Writer:
-    """One known writer schema."""
-
-    name: str  # full name of the top-level record
-    fingerprint: bytes  # 8 bytes as on the wire
-    encode_schema: Any  # parsed, with logical types: accepts ints and datetimes
-    decode_schema: Any  # parsed, timestamps stripped in "millis" mode
-    layout: WireLayout  # for the size check before decoding (schemas/limits.py)
-
-
-def schema_fingerprint(schema: Mapping[str, Any] | str) -> bytes:
-    """CRC-64-AVRO fingerprint of a raw (JSON) schema, as the 8 bytes single-object encoding
-    writes (the 64-bit value little-endian)."""
-    canonical = to_parsing_canonical_form(schema if isinstance(schema, str) else dict(schema))
-    # fastavro's hex string is already the little-endian byte order of the 64-bit value.
-    return bytes.fromhex(_fastavro_fingerprint(canonical, "CRC-64-AVRO"))
-
-
-def _full_name(schema: Mapping[str, Any]) -> str:
-    name = str(schema["name"])
-    namespace = schema.get("namespace")
-    if "." in name or not namespace:
-        return name
-    return f"{namespace}.{name}"
-
-
-def _strip_timestamps(schema: Any) -> Any:
-    """A copy of a raw schema whose timestamp logical types are plain longs."""
-    if isinstance(schema, dict):
-        out = {k: _strip_timestamps(v) for k, v in schema.items()}
-        if out.get("logicalType") in _TIMESTAMP_TYPES:
-            del out["logicalType"]
-        return out
-    if isinstance(schema, list):
-        return [_strip_timestamps(v) for v in schema]
-    return schema
-
-
-@functools.cache
-def _read_schema_file(filename: str) -> Mapping[str, Any]:
-    raw: Mapping[str, Any] = json.loads(
-        resources.files(__package__).joinpath(filename).read_text("utf-8")
-    )
-    return raw
-
-
-@functools.cache
-def builtin_schemas() -> Mapping[str, Mapping[str, Any]]:
-    """The raw (JSON) built-in schemas by full name, read once."""
-    out: dict[str, Mapping[str, Any]] = {}
-    for name, filename in _SCHEMA_FILES.items():
-        raw = _read_schema_file(filename)
-        if _full_name(raw) != name:
-            raise SchemaError(f"{filename} declares {_full_name(raw)}, expected {name}")
-        out[name] = raw
-    return out
-
-
-@functools.cache
-def _builtin_writers(timestamps: Timestamps) -> Mapping[str, _Writer]:
-    return {name: _make_writer(raw, timestamps) for name, raw in builtin_schemas().items()}
-
-
-def _make_writer(raw: Mapping[str, Any], timestamps: Timestamps) -> _Writer:
-    if not isinstance(raw, Mapping) or raw.get("type") != "record":
-        raise SchemaError("a tolk value schema must be a JSON object of type 'record'")
-    try:
-        raw_copy = copy.deepcopy(dict(raw))
-        encode_schema = fastavro.parse_schema(raw_copy)
-        if timestamps == "millis":
-            decode_schema = fastavro.parse_schema(_strip_timestamps(raw_copy))
-        else:
-            decode_schema = encode_schema
-        fp = schema_fingerprint(raw_copy)
-        layout = _compile_layout(raw_copy)
-    except Exception as exc:
-        raise SchemaError(f"invalid Avro schema {raw.get('name')!r}: {exc}") from exc
-    return _Writer(_full_name(raw), fp, encode_schema, decode_schema, layout)
 
 
 class AvroCodec:
@@ -224,26 +129,26 @@ class AvroCodec:
         self._scanner = BodyScanner(limits)
         self._registry = registry
         if schemas is None:
-            readers = dict(_builtin_writers(timestamps))
+            readers = dict(builtin_writers(timestamps))
         else:
             readers = {}
             for raw in schemas.values():
-                writer = _make_writer(raw, timestamps)
+                writer = make_writer(raw, timestamps)
                 readers[writer.name] = writer
-        self._readers: dict[str, _Writer] = readers
+        self._readers: dict[str, Writer] = readers
         self._aliases: dict[str, str] = {}
         for name in readers:
             short = name.rsplit(".", 1)[-1]
             self._aliases[name] = name
             self._aliases[short] = name
             self._aliases[_snake(short)] = name
-        self._by_fingerprint: dict[bytes, _Writer] = {w.fingerprint: w for w in readers.values()}
-        self._by_id: dict[int, _Writer] = {}
+        self._by_fingerprint: dict[bytes, Writer] = {w.fingerprint: w for w in readers.values()}
+        self._by_id: dict[int, Writer] = {}
         self._id_of: dict[bytes, int] = {}
-        self._by_json: dict[str, _Writer] = {}
+        self._by_json: dict[str, Writer] = {}
         if schemas is None:
-            for filename in _PREVIOUS_SCHEMA_FILES:
-                self._writer_for(_read_schema_file(filename))
+            for filename in PREVIOUS_SCHEMA_FILES:
+                self._writer_for(read_schema_file(filename))
         if registry is not None:
             for name, schema_id in registry.ids.items():
                 current = self._readers.get(self._aliases.get(name, name))
@@ -297,11 +202,11 @@ class AvroCodec:
             self._id_of.setdefault(writer.fingerprint, schema_id)
         return writer.fingerprint
 
-    def _writer_for(self, schema: Mapping[str, Any]) -> _Writer:
+    def _writer_for(self, schema: Mapping[str, Any]) -> Writer:
         key = json.dumps(schema, sort_keys=True)
         writer = self._by_json.get(key)
         if writer is None:
-            writer = _make_writer(schema, self._timestamps)
+            writer = make_writer(schema, self._timestamps)
             writer = self._by_fingerprint.setdefault(writer.fingerprint, writer)
             self._by_json[key] = writer
         return writer
@@ -361,7 +266,7 @@ class AvroCodec:
             reader_schema = reader.decode_schema
         return writer.name, self._read_body(data, offset, writer, reader_schema)
 
-    def _writer_from_header(self, data: bytes) -> tuple[_Writer, int]:
+    def _writer_from_header(self, data: bytes) -> tuple[Writer, int]:
         if not isinstance(data, bytes | bytearray | memoryview):
             raise SchemaError(f"expected bytes, got {type(data).__name__}")
         data = bytes(data)
@@ -395,7 +300,7 @@ class AvroCodec:
         )
 
     def _read_body(
-        self, data: bytes, offset: int, writer: _Writer, reader_schema: Any
+        self, data: bytes, offset: int, writer: Writer, reader_schema: Any
     ) -> dict[str, Any]:
         try:
             self._scanner.check(writer.layout, data, offset)

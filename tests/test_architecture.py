@@ -178,3 +178,268 @@ def test_rules_catch_each_kind_of_forbidden_import(tmp_path: Path) -> None:
         "workers/engine/queue.py imports workers.fairness.vtc.FCFSQueue",
         "workers/engine/queue.py imports workers.serving.fair_engine",
     ]
+
+
+# -- no import cycle, no product file over 400 lines (issue 27) ---------------------------------
+#
+# The import graph's nodes are the modules of product code and bench; an edge a -> b for every
+# import statement of a that names b or something inside b, wherever it sits: at module level,
+# inside a function, under `TYPE_CHECKING`. A function-level import still ties the two modules
+# together (each needs the other to work, and one cannot be read or moved without the other),
+# and an import under `TYPE_CHECKING` still means one module's types are declared by the
+# other's; so every one counts, and the cure for a cycle is a module both sides import, never a
+# late import. `import a.b.c` is an edge to `a.b.c` only, not to the packages `a` and `a.b`
+# whose `__init__` it also runs (a package's `__init__` that re-exports its modules would
+# otherwise be a cycle with each of them).
+
+CYCLE_ROOTS = ("workers", "topics", "schemas", "kernels", "replay", "bench")
+PRODUCT = ("workers", "topics", "schemas", "kernels", "replay")
+MAX_LINES = 400
+
+# Files that other helpers of issue 27 are rewriting at the time of writing (the serving
+# pipeline, the retry stage, the record's life): split there, not here, whether or not they
+# are over MAX_LINES now. The lead empties this list once their branches are merged.
+LINE_ALLOWLIST: frozenset[str] = frozenset(
+    {
+        "workers/cli.py",
+        "workers/worker.py",
+        "workers/reply_publisher.py",
+        "workers/record_intake.py",
+        "workers/engine_runs.py",
+        "workers/cache_engine.py",
+        "workers/faithful_engine.py",
+        "workers/protected_engine.py",
+        "workers/context_engine.py",
+        "workers/tm_engine.py",
+        "workers/drill_engine.py",
+        "workers/engine_chain.py",
+        "workers/replies.py",
+        "workers/settings.py",
+    }
+)
+
+
+def module_files(root: Path = ROOT, packages: tuple[str, ...] = CYCLE_ROOTS) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under `packages` (a package is its __init__)."""
+    found: dict[str, Path] = {}
+    for package in packages:
+        for f in sorted((root / package).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = f
+    return found
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = CYCLE_ROOTS) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports (the longest known prefix of each name)."""
+    files = module_files(root, packages)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, f in files.items():
+        targets = {known(name) for name in imported_modules(f, root)}
+        if f.name == "__init__.py":  # relative imports of a package resolve inside it
+            targets |= {known(name) for name in _package_relative(f, root)}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def _package_relative(init: Path, root: Path) -> set[str]:
+    """`from .x import y` in a package's __init__ (imported_modules resolves it one level up)."""
+    names: set[str] = set()
+    package = list(init.relative_to(root).parent.parts)
+    for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)]
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def _describe(cycle: list[str], graph: dict[str, set[str]]) -> str:
+    edges = [f"  {a} -> {b}" for a in cycle for b in sorted(graph[a] & set(cycle))]
+    return "cycle: " + ", ".join(cycle) + "\n" + "\n".join(edges)
+
+
+def test_no_import_cycle_in_product_code_or_bench() -> None:
+    graph = import_graph()
+    assert len(graph) > 100, "the graph found too few modules"
+    cycles = import_cycles(graph)
+    assert not cycles, "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_cycle_check_sees_each_kind_of_edge(tmp_path: Path) -> None:
+    """A fake package whose cycles go through a function-level, a TYPE_CHECKING and a
+    relative import; and a package __init__ re-exporting its module is not a cycle."""
+    pkg = tmp_path / "workers" / "p"
+    pkg.mkdir(parents=True)
+    (tmp_path / "workers" / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "__init__.py").write_text("from .a import A\n", encoding="utf-8")
+    (pkg / "a.py").write_text(
+        "from workers.p.b import B\nfrom workers.p import helper\nclass A: ...\n",
+        encoding="utf-8",
+    )
+    (pkg / "b.py").write_text("def late():\n    from . import a\nB = 1\n", encoding="utf-8")
+    (pkg / "helper.py").write_text("import workers.p.a as z\n", encoding="utf-8")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.p.d import D\n",
+        encoding="utf-8",
+    )
+    (pkg / "d.py").write_text("from workers.p.c import x\n", encoding="utf-8")
+    (pkg / "e.py").write_text("from workers.p.a import A\n", encoding="utf-8")
+    graph = import_graph(tmp_path, ("workers",))
+    assert graph["workers.p"] == {"workers.p.a"}
+    assert import_cycles(graph) == [
+        ["workers.p.a", "workers.p.b", "workers.p.helper"],
+        ["workers.p.c", "workers.p.d"],
+    ]
+
+
+def product_line_counts(root: Path = ROOT) -> dict[str, int]:
+    return {
+        str(f.relative_to(root)): len(f.read_text(encoding="utf-8").splitlines())
+        for package in PRODUCT
+        for f in sorted((root / package).rglob("*.py"))
+    }
+
+
+def test_no_product_file_over_400_lines() -> None:
+    counts = product_line_counts()
+    assert len(counts) > 100, "found too few product files"
+    over = sorted(
+        f"{f}: {n} lines" for f, n in counts.items() if n > MAX_LINES and f not in LINE_ALLOWLIST
+    )
+    assert not over, "split by concern:\n" + "\n".join(over)
+
+
+# -- the allowed imports of the layout by concern (issue 27, item 6) ----------------------------
+#
+# tools/move_packages.py moves workers/ into packages by concern; these are the rules of that
+# layout, checked once it exists (the test skips while workers/kafka/ is absent). Same reading as
+# RULES above: package -> prefixes it must never import, NEW_LAYOUT_ALLOWED the exceptions.
+# Single modules (settings at the edge) are checked as one-file "packages". Right after the move
+# two rules fail on purpose, naming the code moves issue 27 asks for: settings imports the TTL
+# parsing of the L2 cache (it moves into settings), and tm/formats imports replay's text checks
+# and the cache key's normalize_text (both move to a module that tm and replay/cache import).
+
+_ENGINE_INSIDE = ("workers.engine",)  # a stage or the Kafka side sees the engine's boundary types
+NEW_LAYOUT_RULES: dict[str, tuple[str, ...]] = {
+    # the Kafka side of a record's life: no model, no stage internals, no Redis cache
+    "workers/kafka": (
+        "torch",
+        *_ENGINE_INSIDE,
+        "workers.stages",
+        "workers.tm",
+        "workers.client",
+        "workers.cli",
+    ),
+    # the stages know an engine by its protocol; never Kafka, the worker, the client
+    "workers/stages": (
+        "confluent_kafka",
+        "workers.kafka",
+        "workers.worker",
+        "workers.client",
+        "workers.cli",
+        "workers.store",
+        "schemas",
+        "topics",
+        "replay",
+    ),
+    # the bots' client: Kafka and the schemas, nothing of the server
+    "workers/client": (
+        "torch",
+        "redis",
+        "workers.engine",
+        "workers.serving",
+        "workers.stages",
+        "workers.tm",
+        "workers.store",
+        "workers.kafka",
+        "workers.worker",
+        "workers.settings",
+    ),
+    # the phrase index: the exact-match cache moved out, and no replay (its text checks belong
+    # to a shared module both import)
+    "workers/tm": ("workers.stages", "workers.kafka", "workers.serving", "replay"),
+    # the Redis result store and its breaker: no model, no Kafka side, no stages
+    "workers/store": ("torch", "workers.engine", "workers.kafka", "workers.stages"),
+    # composes engine and fair share (and, in the builder, the stages); the worker adds Kafka
+    "workers/serving": (*_KAFKA_REDIS, *_OUTSIDE_THE_ENGINE, "workers.kafka", "workers.store"),
+    # settings at the edge: read by everyone, importing nothing above it
+    "workers/settings.py": (
+        "workers.stages",
+        "workers.tm",
+        "workers.kafka",
+        "workers.serving",
+        "workers.store",
+        "workers.worker",
+    ),
+}
+NEW_LAYOUT_ALLOWED: dict[str, tuple[str, ...]] = {
+    "workers/kafka": ("workers.engine.types",),
+    "workers/client": ("workers.kafka.config",),  # check_broker: one connection check
+    "workers/settings.py": ("workers.stages.context.rules",),  # the prompt layouts' names (pure)
+}
+
+
+def new_layout_violations(package: str, root: Path = ROOT) -> list[str]:
+    forbidden, allowed = NEW_LAYOUT_RULES[package], NEW_LAYOUT_ALLOWED.get(package, ())
+    target = root / package
+    files = [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+    bad = []
+    for f in files:
+        for mod in sorted(imported_modules(f, root)):
+            if any(_matches(mod, p) for p in forbidden) and not any(
+                _matches(mod, a) for a in allowed
+            ):
+                bad.append(f"{f.relative_to(root)} imports {mod}")
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(NEW_LAYOUT_RULES))
+def test_new_layout_package_imports(package: str) -> None:
+    if not (ROOT / "workers" / "kafka").is_dir():
+        pytest.skip("the layout by concern is not applied yet (tools/move_packages.py)")
+    assert (ROOT / package).exists(), f"{package} is missing from the new layout"
+    bad = new_layout_violations(package)
+    assert not bad, "\n".join(bad)

@@ -3,7 +3,7 @@
 `Worker` builds an `ArmRouter` when `Settings.arm` is set (`ArmRouter.for_settings`; None
 otherwise, and the worker behaves exactly as it did without arms). The router:
 
-* follows the share table (`workers.arm_control.ArmControlReader` on the control topic, or a
+* follows the share table (`workers.arm_reader.ArmControlReader` on the control topic, or a
   given `ShareSource`), started before the worker subscribes so the first request is routed
   with the table as it stands;
 * decides per consumed record (`serves`, with `workers.arms.route_request`; an undecodable
@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from workers.arm_control import ArmControlReader, ShareSource
+from workers.arm_control import ShareSource
+from workers.arm_reader import ArmControlReader
 from workers.arms import ARM_SEPARATOR, ShareTable, arm_model_version, route_request
 from workers.metrics import WorkerMetrics
 from workers.records import ConsumedRecord

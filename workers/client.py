@@ -27,7 +27,9 @@ so a request sent during a broker restart is delivered once the broker is back; 
 cannot be delivered fails with `TranslationNotDelivered`; a timeout says whether the broker
 ever acknowledged the request.
 
-The reply and error types live in `workers.client_types` (re-exported here).
+The reply and error types live in `workers.client_types` (re-exported here); the reply side
+(pinning the reply partitions, the poll thread, resolving the waiting futures) is
+`workers.client_replies.ReplyListener`, which `TranslationClient` inherits.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer
 
-from schemas.codec import SchemaError, decode_result, encode_request
+from schemas.codec import encode_request
 from topics.catalog import REPLIES, request_topic
 from workers.client_delivery import PendingSend, RequestSender
+from workers.client_replies import ReplyListener
 from workers.client_types import (
     TranslationError,
     TranslationFailed,
@@ -57,7 +60,7 @@ from workers.client_types import (
     TranslationTimeout,
 )
 from workers.kafka_config import KafkaConnectionError, check_broker
-from workers.tracing import client_span, inject_traceparent, traceparent_of
+from workers.tracing import client_span, inject_traceparent
 
 __all__ = [
     "TranslationClient",
@@ -71,16 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Answers a just-created topic may give for a moment.
-_TRANSIENT_METADATA_CODES = frozenset(
-    {
-        KafkaError.NOT_LEADER_FOR_PARTITION,
-        KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
-        KafkaError._TIMED_OUT,
-    }
-)
-
 
 def _seconds(value: timedelta | float | None) -> float | None:
     if value is None:
@@ -90,7 +83,7 @@ def _seconds(value: timedelta | float | None) -> float | None:
     return float(value)
 
 
-class TranslationClient:
+class TranslationClient(ReplyListener):  # the reply side: workers/client_replies.py
     """Request/reply over Kafka; use as `async with` (or `await start()` / `await close()`)."""
 
     def __init__(
@@ -243,84 +236,6 @@ class TranslationClient:
             if not fut.done():
                 fut.set_exception(TranslationError(f"client closed before the reply to {rid}"))
         self._pending.clear()
-
-    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
-        # Pin every partition at its end now, so no reply to a later request is skipped by a
-        # lazily resolved "latest".
-        try:
-            pinned = []
-            for p in partitions:
-                high = self._end_offset(consumer, p)
-                pinned.append(TopicPartition(p.topic, p.partition, high))
-            consumer.incremental_assign(pinned)
-            if pinned:
-                self._ready.set()
-        except Exception as exc:  # reported by start()
-            self._start_error = exc
-            self._ready.set()
-
-    def _end_offset(self, consumer: Any, tp: TopicPartition) -> int:
-        """The partition's high watermark; retried while a fresh topic elects its leader."""
-        end = time.monotonic() + self.start_timeout
-        while True:
-            try:
-                _low, high = consumer.get_watermark_offsets(tp, timeout=5.0, cached=False)
-                return int(high)
-            except KafkaException as exc:
-                err = exc.args[0] if exc.args else None
-                transient = isinstance(err, KafkaError) and (
-                    err.retriable() or err.code() in _TRANSIENT_METADATA_CODES
-                )
-                if not transient or time.monotonic() >= end or self._closing.is_set():
-                    raise
-                time.sleep(0.1)
-
-    def _poll_loop(self) -> None:
-        """The poll thread: it owns the consumer from `start()` on and closes it itself."""
-        consumer = self._consumer
-        try:
-            self._poll_until_closing(consumer, self._producer)
-        finally:
-            with contextlib.suppress(Exception):
-                consumer.close()
-
-    def _poll_until_closing(self, consumer: Any, producer: Any) -> None:
-        while not self._closing.is_set():
-            try:
-                producer.poll(0)
-                msg = consumer.poll(0.05)
-            except Exception:
-                log.exception("client poll failed")
-                time.sleep(0.1)
-                continue
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART and not self._ready.is_set():
-                    self._start_error = RuntimeError(f"reply topic {self.reply_topic!r}: {err}")
-                    self._ready.set()
-                elif err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("client consumer error: %s", err)
-                continue
-            try:
-                record = decode_result(msg.value() or b"")
-            except SchemaError:
-                log.debug("ignoring an undecodable record on %s", msg.topic())
-                continue
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._resolve, record, traceparent_of(msg.headers()))
-
-    def _resolve(self, record: dict[str, Any], trace_parent: str | None = None) -> None:
-        # on the event loop
-        fut = self._pending.pop(str(record.get("request_id", "")), None)
-        if fut is None or fut.done():
-            return  # another client's reply, or one that arrived after its timeout
-        try:
-            fut.set_result(TranslationReply.from_record(record, trace_parent))
-        except (KeyError, TypeError, ValueError) as exc:
-            fut.set_exception(TranslationError(f"malformed reply: {exc!r}"))
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The worker's Kafka client settings and its check that a reply topic exists.
 
 The consumer stores and commits offsets itself (never auto), so an offset moves only once the
-record's reply is delivered (PITFALLS: turn both `enable.auto.*` off). The producer is
+record's reply is delivered (both `enable.auto.commit` and `enable.auto.offset.store` off: with
+either on, librdkafka could commit a record whose reply was never produced). The producer is
 idempotent with `acks=all`, and must not create a reply topic by asking for its metadata: a
 request naming a topic that does not exist is dead-lettered instead.
 

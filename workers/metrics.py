@@ -2,7 +2,12 @@
 
 Labels are bounded sets only: the target language (the topic's language, a handful of codes),
 a status (the four ResultStatus symbols) and short machine-readable reasons. Request ids,
-conversation ids or free text never become labels (PITFALLS: label cardinality).
+conversation ids or free text never become labels (each label value is a time series of its
+own: an unbounded label grows Prometheus' memory without bound).
+
+The metrics of the serving stages (protected spans, faithfulness, translation-memory retrieval,
+conversation context, the exact-match cache) are registered by `workers/metrics_stages.py`'s
+`StageMetrics`, which `WorkerMetrics` inherits: same names, same attributes.
 
 Tests pass a fresh `CollectorRegistry()` so several workers in one process do not collide;
 the worker process uses the default registry and `start_http_server(port)`.
@@ -17,15 +22,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from workers.fairness.vtc import jain_index
+from workers.metrics_stages import StageMetrics
 
 __all__ = ["WorkerMetrics"]
 
 # Seconds: from tens of milliseconds (cached/duplicate replies) to the minutes a backlog can take.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# Seconds: a cache hit takes microseconds (L1) to a millisecond or so (L2, a Redis round trip).
-_RETRIEVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-_CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 # Seconds: the worker's own hand-offs take ~a millisecond; a GIL stall behind an engine step
 # tens to hundreds of them; the schedule lag includes the engine queue's wait (seconds).
 _LAG_BUCKETS = (5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
@@ -42,7 +45,7 @@ _LAGS = {
 }
 
 
-class WorkerMetrics:
+class WorkerMetrics(StageMetrics):
     """Every metric the worker exports. Pass the registry; nothing registers globally."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str = "tolk") -> None:
@@ -244,61 +247,7 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
-        self.protected_spans_total = Counter(  # workers/protected_engine.py
-            "protected_spans_total",
-            "Translations with protected spans, by language and outcome: restored (masked, "
-            "every span put back), retried_unmasked (restore failed; the unmasked retry kept "
-            "every span), flagged (answered with spans not verified; the reply's metadata says "
-            "so), skipped (the text already held mask-like tokens; translated unmasked).",
-            ["lang", "outcome"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.faithful_checks_total = Counter(  # workers/faithful_engine.py
-            "faithful_checks_total",
-            "First-run translations a faithfulness check found suspect, by language and check: "
-            "leak (copies a prompt example's target), ratio (length outside 0.3-3x the "
-            "source's), loop (a repeated n-gram), length_guard (stopped at the source's cap).",
-            ["lang", "check"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.faithful_outcomes_total = Counter(  # workers/faithful_engine.py
-            "faithful_outcomes_total",
-            "Suspect translations by language and outcome: retried (the retry with another "
-            "prompt form was clean and answered), withheld (still suspect: an ERROR reply, the "
-            "candidate in metadata), flagged (still suspect, answered with a flag in metadata).",
-            ["lang", "outcome"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.tm_retrievals_total = Counter(  # workers/tm_engine.py (--tm-examples)
-            "tm_retrievals_total",
-            "Translation-memory look-ups for retrieved prompt examples, by target language and "
-            "outcome: retrieved, no_index (no index for the language pair), error (the look-up "
-            "raised; the fixed examples were used).",
-            ["lang", "outcome"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.tm_retrieval_seconds = Histogram(  # workers/tm_engine.py
-            "tm_retrieval_seconds",
-            "Time of one retrieved-examples look-up (embedding + index search), before the "
-            "request reaches the engine.",
-            namespace=ns,
-            registry=registry,
-            buckets=_RETRIEVAL_BUCKETS,
-        )
-        self.context_turns_total = Counter(  # workers/context_engine.py (--context)
-            "context_turns_total",
-            "Conversation turns by outcome: contextual (earlier turns in the prompt), "
-            "no_history (first turn of its conversation, or its history expired), "
-            "no_conversation (the request named none), history_leak (the answer copied a "
-            "history turn: run again without history), recorded (kept as history).",
-            ["outcome"],
-            namespace=ns,
-            registry=registry,
-        )
+        self._register_stage_metrics(ns, registry)  # workers/metrics_stages.py
         # -- the reply path's retry queue (workers/reply_publisher.py) --
         self.reply_retries_total = Counter(
             "reply_retries_total",
@@ -315,59 +264,7 @@ class WorkerMetrics:
             namespace=ns,
             registry=registry,
         )
-        # -- the exact-match translation cache (workers/cache_engine.py, workers/tm/) --
-        self.cache_hits_total = Counter(
-            "cache_hits_total",
-            "Requests answered from the translation cache, by language and tier (l1: the "
-            "worker's LRU-K, l2: Redis).",
-            ["lang", "tier"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_misses_total = Counter(
-            "cache_misses_total",
-            "Requests the cache could not answer that ran the engine, by language.",
-            ["lang"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_joined_total = Counter(
-            "cache_joined_total",
-            "Requests that joined an identical request's engine run (single flight), by language.",
-            ["lang"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_evictions_total = Counter(
-            "cache_evictions_total",
-            "Entries the worker's L1 cache evicted for room (LRU-K), by language.",
-            ["lang"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_hit_seconds = Histogram(
-            "cache_hit_seconds",
-            "Time to answer a request from the cache (key, L1, then L2), by language.",
-            ["lang"],
-            buckets=_CACHE_HIT_BUCKETS,
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_l2_degraded_total = Counter(
-            "cache_l2_degraded_total",
-            "L2 (Redis) cache calls that failed or were skipped while it is unreachable, by op "
-            "(get / put); the worker serves from L1 and the engine meanwhile.",
-            ["op"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.cache_l2_up = Gauge(
-            "cache_l2_up",
-            "1 while the L2 (Redis) translation cache answers, 0 during an outage.",
-            namespace=ns,
-            registry=registry,
-        )
-
+        self._register_cache_metrics(ns, registry)  # workers/metrics_stages.py
         # -- the engine's own statistics (workers/engine/engine_snapshot.py, polled) --
         self.engine_kv_usage = Gauge(
             "engine_kv_cache_usage_ratio",

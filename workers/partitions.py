@@ -6,7 +6,8 @@ and the rebalance callbacks hand over their own.
 
 * Pauses: the worker decides *which languages* must not take more records (intake quotas, the
   global cap, draining); `reconcile()` turns that into pause/resume calls on exactly the
-  partitions whose state changes (PITFALLS: `pause()` drops the prefetch, so no toggling).
+  partitions whose state changes (librdkafka's `pause()` drops the partition's prefetched
+  records, so pausing and resuming on every loop would fetch them again and again).
 * Rewinds: records of one consume() batch past a language's quota are given back with
   `seek()` (`rewind()`). A seek that fails must not let the record through (that broke the
   quota) nor skip it (the commit point would pass it later): the partition is *held* (paused

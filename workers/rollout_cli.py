@@ -216,7 +216,8 @@ def guard(
     import logging
 
     from topics.catalog import replies_topic as default_replies
-    from workers.guard.app import GuardConfig, run_guard
+    from workers.guard.app import run_guard
+    from workers.guard.core import GuardConfig
     from workers.guard.policy import GuardPolicy
     from workers.log_levels import parse_log_level
     from workers.ports import PortUnavailable, parse_port

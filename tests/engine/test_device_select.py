@@ -273,9 +273,9 @@ def test_the_check_on_a_cpu_model_turns_both_parts_off_with_reasons(tiny_config,
 
 
 def _interpreting() -> bool:
-    from kernels import triton_attention
+    from kernels import triton_common
 
-    return bool(triton_attention.INTERPRETED)
+    return bool(triton_common.INTERPRETED)
 
 
 @pytest.mark.gpu

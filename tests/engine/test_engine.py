@@ -94,12 +94,12 @@ def test_requests_of_a_warm_language_decode_with_cascade_attention(
 ) -> None:
     """Decoding rows that share the warm prefix attend to it once (cascade), with the tokens
     the plain gather-everything path gives."""
-    from kernels import attention
+    from kernels import cascade
 
     texts = ["Where is my parcel?", "I was charged twice.", "My app keeps crashing.",
              "Can I change the delivery address?", "The refund has not arrived yet."]  # fmt: skip
     calls: list[int] = []
-    real = attention._cascade_attention
+    real = cascade.cascade_attention
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(sum(s.rows.numel() for s in args[5].shared))  # rows sharing a prefix
@@ -110,10 +110,10 @@ def test_requests_of_a_warm_language_decode_with_cascade_attention(
         return [r.token_ids for r in engine.generate(reqs)]
 
     engine.warm(["de"])
-    monkeypatch.setattr(attention, "_cascade_attention", counting)
+    monkeypatch.setattr(cascade, "cascade_attention", counting)
     cascaded = run()
     assert calls and max(calls) == len(texts)
-    monkeypatch.setattr(attention, "CASCADE_MIN_ROWS", 10**9)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 10**9)
     calls.clear()
     assert run() == cascaded
     assert not calls

@@ -218,9 +218,9 @@ def make_shared_prefix_case(prefixes, rows, heads, block_size, dtype, seed=1, sc
 def test_shared_prefixes_are_attended_once_and_match_dense(
     dtype, window, scatter, fused, monkeypatch
 ):
-    from kernels import attention
+    from kernels import cascade
 
-    monkeypatch.setattr(attention, "FUSED_CPU_LSE", fused)  # portable: the non-CPU math
+    monkeypatch.setattr(cascade, "FUSED_CPU_LSE", fused)  # portable: the non-CPU math
 
     block_size, heads = 4, (9, 3, 16)
     rows = [("de", 14), ("fr", 10), ("de", 13), ("de", 30), ("fr", 9), ("de", 16),
@@ -244,7 +244,7 @@ def test_shared_prefixes_are_attended_once_and_match_dense(
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
-    monkeypatch.setattr(attention, "CASCADE_MIN_ROWS", 10**9)  # the plain, gather-all path
+    monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 10**9)  # the plain, gather-all path
     meta._decode_plans.clear()
     plain = paged_attention(q, k_cache, v_cache, meta, 0.25, window)
     assert not meta._decode_plans[window].shared
@@ -252,7 +252,7 @@ def test_shared_prefixes_are_attended_once_and_match_dense(
 
 
 def test_no_cascade_below_min_rows_or_for_a_prefix_a_row_is_still_writing():
-    from kernels.attention import CASCADE_MIN_ROWS
+    from kernels.cascade import CASCADE_MIN_ROWS
 
     block_size, heads = 4, (4, 2, 8)
     few = [("de", 10)] * (CASCADE_MIN_ROWS - 1) + [(None, 6)]

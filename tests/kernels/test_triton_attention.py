@@ -20,7 +20,8 @@ import random
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, _shared_prefixes, paged_attention
+from kernels.attention import AttentionMetadata, paged_attention
+from kernels.cascade import shared_prefixes
 from tests.kernels.triton_interpreter import checked_in_child
 
 pytestmark = pytest.mark.triton
@@ -142,7 +143,7 @@ def test_cascade_decode_matches_reference(request, dtype, window):
     for table in tables[1:5]:
         table[:3] = tables[0][:3]  # rows 0-4 share the prefix blocks (row 5 does not)
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, bs)
-    shared = _shared_prefixes(meta, bs, window)
+    shared = shared_prefixes(meta, bs, window)
     # with a window, a row whose window no longer covers position 0 leaves the cascade
     expected_rows = [r for r in range(5) if window is None or lens[r] <= window]
     assert shared and shared[0][1] == expected_rows, shared

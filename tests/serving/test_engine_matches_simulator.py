@@ -23,13 +23,8 @@ import pytest
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import GenerationRequest, RequestHandle, SamplingParams
 from workers.fairness.vtc import VTCQueue
-from workers.serving.simulate import (
-    CostModel,
-    LanguageLoad,
-    ScriptedArrival,
-    SimConfig,
-    simulate,
-)
+from workers.serving.sim_config import CostModel, LanguageLoad, ScriptedArrival, SimConfig
+from workers.serving.simulate import simulate
 
 WEIGHTS = {"de": 3.0, "fr": 2.0, "it": 1.0}
 # prefix lengths that end inside a block (16 tokens): the partial-block hit is exercised too

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.serving.group_fairness import simulate_group
-from workers.serving.simulate import LanguageLoad, SimConfig, estimate_capacity_rps
+from workers.serving.sim_config import LanguageLoad, SimConfig, estimate_capacity_rps
 
 WEIGHTS = {"de": 1.0, "fr": 2.0, "es": 1.0}
 

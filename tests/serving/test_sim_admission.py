@@ -15,7 +15,8 @@ import dataclasses
 import pytest
 
 from workers.serving.sim_admission import overload_scenario
-from workers.serving.simulate import LanguageLoad, SimConfig, simulate
+from workers.serving.sim_config import LanguageLoad, SimConfig
+from workers.serving.simulate import simulate
 
 
 def _check_light_admitted_heavy_shed(**kw: object) -> None:

@@ -8,15 +8,15 @@ import json
 import pytest
 
 from workers.fairness.vtc import FCFSQueue, VTCQueue
-from workers.serving.simulate import (
+from workers.serving.sim_config import (
     CostModel,
     LanguageLoad,
     ScriptedArrival,
     SimConfig,
     estimate_capacity_rps,
     issue_scenario,
-    simulate,
 )
+from workers.serving.simulate import simulate
 
 CAP = estimate_capacity_rps(80, 30)  # defaults: prompts 60-100, outputs 20-40
 

@@ -1,5 +1,5 @@
 """An arm's worker without a broker: routing, replies, store keys (workers/arm_routing.py), and
-the control-topic reader over a scripted consumer (workers/arm_control.py).
+the control-topic reader over a scripted consumer (workers/arm_reader.py).
 
 tests/workers/test_arms_kafka.py runs the same against the real broker with two arms.
 """
@@ -19,7 +19,8 @@ from schemas.codec import decode_result, encode_arm_shares, encode_request
 from tests.workers.fakes import FakeBroker, FakeEngine, FakeMessage
 from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
-from workers.arm_control import ArmControlReader, StaticShares
+from workers.arm_control import StaticShares
+from workers.arm_reader import ArmControlReader
 from workers.arm_routing import ArmScopedStore
 from workers.arms import MIRROR_METADATA_KEY, ShareTable, choose_arm
 from workers.results_store import InMemoryResultStore

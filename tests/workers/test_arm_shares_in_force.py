@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.codec import encode_arm_shares
-from workers.arm_control import ArmControlReader
+from workers.arm_reader import ArmControlReader
 
 
 class _Msg:

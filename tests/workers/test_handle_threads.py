@@ -26,7 +26,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from tests.workers.handle_witness import HandleWitness
-from workers.arm_control import ArmControlReader
+from workers.arm_reader import ArmControlReader
 from workers.client import TranslationClient
 from workers.drain import BrokerOffsetsReader, DrainMonitor
 

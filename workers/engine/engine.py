@@ -13,7 +13,9 @@ scheduler, the KV cache manager and the model, so none of them needs a lock. Eac
 The sampler (`TokenSampler`, workers/engine/sampling.py) holds each sampled request's seeded
 generator; `EngineConfig` and `EngineStats` live in workers/engine/engine_config.py and are
 re-exported here. The forward itself (eager, compiled or a CUDA graph replay, and the tokens it
-samples) is `ModelStep` in workers/engine/forward.py, which `Engine` inherits.
+samples) is `ModelStep` in workers/engine/forward.py, and what a step's sampled tokens become
+(the stop rules, the counters, the finished results, and every request failed after a step
+raised) is `StepResults` in workers/engine/step_results.py; `Engine` inherits both.
 
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
 its prefix (instructions + few-shot examples of the target language) is shared through the
@@ -60,18 +62,16 @@ from workers.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    SequenceState,
 )
+from workers.engine.step_results import StepResults, step_record
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     RequestHandle,
     RequestQueue,
     SamplingParams,
     StepRecord,
-    Timings,
 )
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: engine_config.py
@@ -79,7 +79,7 @@ __all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: eng
 log = logging.getLogger(__name__)
 
 
-class Engine(ModelStep):  # the forward paths: workers/engine/forward.py
+class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results: step_results.py
     def __init__(
         self,
         model: LoadedModel | PreparedModel,
@@ -377,93 +377,10 @@ class Engine(ModelStep):  # the forward paths: workers/engine/forward.py
         self._account(out, sampled)
         results = [self._finish(seq) for seq in finished]
         if self.step_trace is not None and out.chunks:
-            self.step_trace.append(_step_record(out, time.perf_counter() - started))
+            self.step_trace.append(step_record(out, time.perf_counter() - started))
         return results
 
     def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
         # this engine's KV pools in the model; engines sharing the model take turns per step
         with self.prepared.bound(self.kv_pools):
             return self._forward_and_pick(out)
-
-    def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
-        p = seq.request.params
-        if not p.ignore_eos and token in self.prompts.stop_rules.eos_ids:
-            return FinishReason.STOP, False
-        if len(seq.output_ids) + 1 >= p.max_new_tokens:
-            return FinishReason.LENGTH, True
-        if p.stop_at_newline and "\n" in self.tokenizer.decode([token]):
-            return FinishReason.STOP, True
-        if p.stop_strings:
-            tail = self.tokenizer.decode([*seq.output_ids[-8:], token])
-            if any(s in tail for s in p.stop_strings):
-                return FinishReason.STOP, True
-        return None, True
-
-    def _account(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        s = self.stats
-        s.preemptions += len(out.preempted)
-        decode = sum(1 for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
-        s.prefill_tokens += out.num_batched_tokens - decode
-        s.decode_tokens += len(sampled)
-        s.last_batch_size = len(out.chunks)
-        s.batch_sizes.append(len(out.chunks))
-        if len(s.batch_sizes) > 1024:
-            del s.batch_sizes[:512]
-
-    def _finish(self, seq: SequenceState) -> GenerationResult:
-        now = time.monotonic()
-        req = seq.request
-        reason = seq.finish_reason or FinishReason.ERROR
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
-        if req.params.stop_at_newline:
-            text = text.split("\n", 1)[0]
-        for s in req.params.stop_strings:
-            text = text.split(s, 1)[0]
-        sched = seq.first_scheduled_at
-        first = seq.first_token_at
-        timings = Timings(
-            queue_s=(sched - req.arrival) if sched else now - req.arrival,
-            prefill_s=(first - sched) if (first and sched) else 0.0,
-            decode_s=(now - first) if first else 0.0,
-            total_s=now - req.arrival,
-        )
-        result = GenerationResult(
-            request_id=req.request_id,
-            token_ids=list(seq.output_ids),
-            text=text.strip(),
-            finish_reason=reason,
-            tokens_in=seq.num_prompt_tokens,
-            tokens_out=len(seq.output_ids),
-            cached_tokens=seq.num_cached,
-            timings=timings,
-            error=seq.error,
-        )
-        self.stats.finished += 1
-        self.sampler.forget(req.request_id)
-        handle = self._handles.pop(req.request_id, None)
-        if handle is not None:
-            handle.set_result(result)
-        return result
-
-    def _fail_all(self, error: str) -> None:
-        """After a failed step: fail every live request, reset the scheduler's state."""
-        sched = self.scheduler
-        seqs = [*sched.running, *sched.preempted]
-        while len(sched.queue):
-            r = sched.queue.pop()
-            seqs.append(SequenceState(r, list(r.prompt_ids), len(r.prompt_ids)))
-        for seq in sched.running:
-            self.kv.free(seq.request_id)
-        sched.running.clear()
-        sched.preempted.clear()
-        for seq in seqs:
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = error
-            self._finish(seq)
-
-
-def _step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
-    decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1)
-    kind = "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
-    tokens = sum(c.num_tokens for c in out.chunks)
-    return StepRecord(kind, len(out.chunks), tokens, seconds)

@@ -17,10 +17,11 @@ was built; the metrics container turns them into Prometheus counters by their in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from workers.engine.engine import Engine
+from workers.engine.engine_config import EngineStats
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.scheduler import Scheduler
 
 __all__ = ["EngineSnapshot", "snapshot_engine"]
 
@@ -48,7 +49,19 @@ class EngineSnapshot:
         return self.prefix_hit_tokens / self.prefix_queries_tokens
 
 
-def snapshot_engine(engine: Engine) -> EngineSnapshot:
+class CountingEngine(Protocol):
+    """What a snapshot reads of an engine (`workers.engine.engine.Engine` has it; a protocol,
+    so that this module, which the engine imports, does not import the engine back)."""
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+    @property
+    def stats(self) -> EngineStats: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+
+def snapshot_engine(engine: CountingEngine) -> EngineSnapshot:
     """Read `engine`'s counters and pools once (any thread; see the module notes)."""
     kv = engine.kv
     used = total = 0

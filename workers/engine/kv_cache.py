@@ -4,7 +4,11 @@ Pure CPU bookkeeping in the spirit of vLLM v1's `kv_cache_manager.py`; the engin
 tensors (`KVPools` of `prepare.py`: `k/v [num_blocks, block_size, kv_heads, head_dim]` per
 layer, bound into the model's layers for each forward); the model only ever sees block ids,
 through `block_table()` and `slot_mapping()`. The blocks themselves (refcounts, free list,
-evictable LRU, hash maps) live in `block_pool.py`, whose names this module re-exports.
+evictable LRU, hash maps) live in `block_pool.py`, whose names this module re-exports. The
+manager's prefix-cache side (lookup, publishing, partial-block copies) is `PrefixCache` in
+`kv_prefix.py`, which `KVCacheManager` inherits; this module keeps the tables, allocation,
+freeing, the model's inputs and the accounting, and re-exports `KVGroupSpec` and `BlockCopy`
+(the manager's public types, defined there because both halves use them).
 
 Design
 ------
@@ -47,7 +51,7 @@ Nothing here imports torch; the engine runs on a single thread, so there are no 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from workers.engine.block_pool import (
     NULL_BLOCK_ID,
@@ -58,6 +62,7 @@ from workers.engine.block_pool import (
     hash_block_tokens,
     prefix_keys,
 )
+from workers.engine.kv_prefix import BlockCopy, KVGroup, KVGroupSpec, PrefixCache, SeqBlocks, cdiv
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -73,47 +78,9 @@ __all__ = [
 ]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class KVGroupSpec:
-    name: str  # "full" or "sliding"
-    num_blocks: int  # pool size including the reserved null block 0
-    block_size: int  # tokens per block (same for all groups)
-    sliding_window: int | None  # None = keeps every token
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """Copy slots `[0, num_slots)` of block `src` into block `dst` in every layer of `group`
-    before the step's forward: a partially matched prefix block (see KVCacheManager)."""
-
-    group: str
-    src: int
-    dst: int
-    num_slots: int
-
-
-@dataclass(slots=True)
-class _Group:
-    spec: KVGroupSpec
-    pool: BlockPool
-
-
-@dataclass(slots=True)
-class _SeqState:
-    tables: dict[str, list[KVBlock]]  # per group; the null block where a block was dropped
-    num_dropped: dict[str, int]  # per group: leading table entries already released (null)
-    hashes: list[BlockHash] = field(default_factory=list)  # chain hashes of its full blocks
-    num_published: int = 0  # leading full blocks already offered to the hash maps
-    num_computed: int = 0  # highest num_computed seen (allocate_slots / commit_computed)
-
-
 @dataclass(slots=True)
 class _Plan:
-    group: _Group
+    group: KVGroup
     release: list[KVBlock]  # sliding blocks leaving the window (head first)
     num_null: int  # new table entries that are already out of the window
     num_alloc: int  # fresh blocks to take from the pool
@@ -121,7 +88,7 @@ class _Plan:
     copy_src: KVBlock | None = None  # first allocation: the partially matched block
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
     """Block tables of all running sequences over one pool per KV group."""
 
     def __init__(
@@ -148,9 +115,9 @@ class KVCacheManager:
         # partial hits of this step: copies to run, and the sources held until they run
         self._copies: list[BlockCopy] = []
         self._copy_refs: list[tuple[BlockPool, KVBlock]] = []
-        self._groups = [_Group(spec, BlockPool(spec.num_blocks, self.stats)) for spec in groups]
+        self._groups = [KVGroup(spec, BlockPool(spec.num_blocks, self.stats)) for spec in groups]
         self._by_name = {g.spec.name: g for g in self._groups}
-        self._seqs: dict[str, _SeqState] = {}
+        self._seqs: dict[str, SeqBlocks] = {}
 
     # ------------------------------------------------------------------ lookups
 
@@ -163,71 +130,6 @@ class KVCacheManager:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
-
-    def _first_live_block(self, group: _Group, num_computed: int) -> int:
-        """Index of the first block still needed to compute position `num_computed`."""
-        window = group.spec.sliding_window
-        if window is None:
-            return 0
-        return max(0, num_computed - window + 1) // self.block_size
-
-    def _extend_hashes(
-        self, hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int
-    ) -> None:
-        bs = self.block_size
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
-
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
-        """Longest cached prefix in tokens (at most len - 1): whole blocks, then, with
-        `share_partial_blocks`, the leading slots of one more block.
-
-        Full groups need every block of the prefix; sliding groups only the blocks covering the
-        positions `[n - window + 1, n)` the next token attends to. Pure lookup.
-        """
-        if not self.enable_prefix_caching or len(token_ids) <= 1:
-            return 0
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        full = [g.pool for g in self._groups if g.spec.sliding_window is None]
-        sliding = [g for g in self._groups if g.spec.sliding_window is not None]
-        # Full groups cap the hit at their first miss; stop hashing there.
-        hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            if any(p.get_cached_block(parent) is None for p in full):
-                break
-            hashes.append(parent)
-        # Sliding groups: runs[i] = consecutive cached blocks ending at block i. A hit of k
-        # blocks is valid if the run ending at k - 1 reaches back to the first live block.
-        valid = [True] * (len(hashes) + 1)
-        for g in sliding:
-            run = 0
-            for i, h in enumerate(hashes):
-                run = run + 1 if g.pool.get_cached_block(h) is not None else 0
-                k = i + 1
-                if run < k - self._first_live_block(g, k * bs):
-                    valid[k] = False
-        k = next((k for k in range(len(hashes), 0, -1) if valid[k]), 0)
-        return k * bs + self._partial_hit(token_ids, hashes[k - 1] if k else None, k)
-
-    def _partial_hit(self, token_ids: Sequence[int], parent: BlockHash | None, k: int) -> int:
-        """How many leading tokens of block `k` (after `k` whole cached blocks) some cached
-        block of every group holds under the same parent; 0 to block_size - 1."""
-        if not self.share_partial_blocks:
-            return 0
-        bs = self.block_size
-        rem = min(bs - 1, len(token_ids) - 1 - k * bs)
-        if rem <= 0:
-            return 0
-        keys = prefix_keys(parent, token_ids[k * bs : k * bs + rem])
-        for j in range(rem, 0, -1):
-            if all(g.pool.get_prefix_block(keys[j - 1]) is not None for g in self._groups):
-                return j
-        return 0
 
     # --------------------------------------------------------------- allocation
 
@@ -247,7 +149,7 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         if seq is None:
             return self._allocate_first(seq_id, token_ids, num_computed, num_new)
-        num_total_blocks = _cdiv(num_computed + num_new, self.block_size)
+        num_total_blocks = cdiv(num_computed + num_new, self.block_size)
         plans: list[_Plan] = []
         for g in self._groups:
             table = seq.tables[g.spec.name]
@@ -291,7 +193,7 @@ class KVCacheManager:
                     f"{len(token_ids)} tokens (< len; a multiple of {bs} unless partial blocks "
                     "are shared)"
                 )
-        num_total_blocks = _cdiv(num_computed + num_new, bs)
+        num_total_blocks = cdiv(num_computed + num_new, bs)
         hashes: list[BlockHash] = []
         self._extend_hashes(hashes, token_ids, num_hit)
         partial_key = (
@@ -326,7 +228,7 @@ class KVCacheManager:
             if num_alloc + from_lru > g.pool.num_free_blocks():
                 return False
             plans.append(_Plan(g, [], 0, num_alloc, touched, src))
-        seq = _SeqState(tables={}, num_dropped={}, hashes=hashes, num_published=num_hit)
+        seq = SeqBlocks(tables={}, num_dropped={}, hashes=hashes, num_published=num_hit)
         for plan in plans:
             pool = plan.group.pool
             # Touch before taking new blocks, so eviction can not take the blocks we hit; a
@@ -349,37 +251,6 @@ class KVCacheManager:
             self.stats.hits += num_computed
         return True
 
-    def commit_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """KV for positions `[0, num_computed)` is written: publish the blocks that became full."""
-        seq = self._seqs[seq_id]
-        if num_computed > len(token_ids):
-            raise ValueError(f"num_computed={num_computed} > {len(token_ids)} tokens")
-        seq.num_computed = max(seq.num_computed, num_computed)
-        if not self.enable_prefix_caching:
-            return
-        num_full = num_computed // self.block_size
-        if num_full <= seq.num_published:
-            return
-        for g in self._groups:
-            if num_full > len(seq.tables[g.spec.name]):
-                raise ValueError(f"num_computed={num_computed} beyond the allocated blocks")
-        self._extend_hashes(seq.hashes, token_ids, num_full)
-        bs = self.block_size
-        for i in range(seq.num_published, num_full):
-            keys: list[BlockHash] | None = None  # the block's leading slots, for partial hits
-            for g in self._groups:
-                block = seq.tables[g.spec.name][i]
-                if block.block_id == NULL_BLOCK_ID:
-                    continue
-                published = g.pool.cache_full_block(block, seq.hashes[i])
-                if not published or not self.share_partial_blocks or block.prefix_keys:
-                    continue
-                if keys is None:
-                    parent = seq.hashes[i - 1] if i else None
-                    keys = prefix_keys(parent, token_ids[i * bs : (i + 1) * bs - 1])
-                g.pool.offer_prefixes(block, keys)
-        seq.num_published = num_full
-
     def free(self, seq_id: str, token_ids: Sequence[int] | None = None) -> None:
         """Release all of the sequence's blocks, tail first. Unknown ids are ignored.
 
@@ -393,37 +264,6 @@ class KVCacheManager:
         for g in self._groups:
             table = seq.tables[g.spec.name]
             g.pool.free_blocks(b for b in reversed(table) if b.block_id != NULL_BLOCK_ID)
-
-    def _offer_tail(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
-        i, r = divmod(min(seq.num_computed, len(token_ids)), self.block_size)
-        if r == 0:
-            return
-        self._extend_hashes(seq.hashes, token_ids, i)
-        keys: list[BlockHash] | None = None
-        for g in self._groups:
-            table = seq.tables[g.spec.name]
-            if i >= len(table) or table[i].block_id == NULL_BLOCK_ID or table[i].reusable:
-                continue
-            if keys is None:
-                parent = seq.hashes[i - 1] if i else None
-                start = i * self.block_size
-                keys = prefix_keys(parent, token_ids[start : start + r])
-            g.pool.offer_prefixes(table[i], keys)
-
-    def take_block_copies(self) -> list[BlockCopy]:
-        """The partial-hit copies of the allocations since the last call, in order; their
-        sources are released, so run the copies before the next allocation."""
-        copies, self._copies = self._copies, []
-        for pool, block in self._copy_refs:
-            pool.free_blocks([block])
-        self._copy_refs = []
-        return copies
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all published prefixes (e.g. after weights change). Running sequences keep
-        their blocks; they are simply no longer shareable."""
-        for g in self._groups:
-            g.pool.reset_prefix_cache()
 
     # ------------------------------------------------------------ model inputs
 
@@ -460,7 +300,7 @@ class KVCacheManager:
         prefix hit). Otherwise: the sequence's next `allocate_slots` from its last known
         `num_computed`, not counting the blocks the window would release.
         """
-        num_total_blocks = _cdiv(num_total_tokens, self.block_size)
+        num_total_blocks = cdiv(num_total_tokens, self.block_size)
         seq = self._seqs.get(seq_id) if seq_id is not None else None
         if seq is None:
             return {g.spec.name: num_total_blocks for g in self._groups}

@@ -15,6 +15,8 @@ and its first and last 16 MiB. Later loads read that directory like any checkpoi
 safetensors -> rename to our names -> cast -> `load_state_dict(assign=True)` into a model built
 on the meta device, so no random init runs. Keeping the cache in transformers' format means the
 parity reference (`load_reference_hf_model`) reads exactly the same dequantized weights, fast.
+A GGUF whose SentencePiece-BPE vocab has no merges (Gemma) gets its tokenizer rebuilt by
+`gguf_tokenizer.py` before the conversion saves it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 
 from workers.engine.config import ModelConfig
 from workers.engine.disk_cache import cache_root
+from workers.engine.gguf_tokenizer import spm_bpe_tokenizer
 from workers.engine.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -156,7 +159,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    tokenizer = _spm_bpe_tokenizer(path)
+    tokenizer = spm_bpe_tokenizer(path)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -186,76 +189,6 @@ def _convert_gguf(path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("cached %s as %s in %.1fs", path.name, target, time.perf_counter() - t0)
-
-
-def _spm_bpe_tokenizer(path: Path) -> Any | None:
-    """A BPE tokenizer for a GGUF holding a SentencePiece-BPE vocab without merges (Gemma).
-
-    transformers 4.57 turns such a vocab into a Unigram model scored by the GGUF scores, but
-    those scores are BPE merge ranks (-rank), so it splits words into tiny pieces ("Hello world"
-    -> 4 pieces instead of `Hello`, ` world`). We rebuild what SentencePiece (and llama.cpp)
-    do: BPE whose merges are ordered by the merged piece's score, byte fallback, control
-    tokens as special tokens, user-defined symbols ("\n", "\n\n", html tags) as atomic tokens.
-    Returns None when the GGUF carries merges or another tokenizer model (transformers' reader
-    is right there).
-    """
-    from gguf import GGUFReader
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import generate_merges
-
-    fields = GGUFReader(path).fields
-
-    def values(key: str) -> list[Any]:
-        field = fields[key]
-        return [field.parts[i] for i in field.data]
-
-    def scalar(key: str) -> Any:
-        return fields[key].parts[-1][0] if key in fields else None
-
-    model = bytes(fields["tokenizer.ggml.model"].parts[-1]).decode()
-    if model != "llama" or "tokenizer.ggml.merges" in fields:
-        return None
-    tokens = [bytes(t).decode() for t in values("tokenizer.ggml.tokens")]
-    scores = [float(s[0]) for s in values("tokenizer.ggml.scores")]
-    types = [int(t[0]) for t in values("tokenizer.ggml.token_type")]  # 1 normal 3 control 4 user
-    spaces = [ty == 4 and tok.strip(" ") == "" for tok, ty in zip(tokens, types, strict=True)]
-    pieces = ["\u2581" * len(t) if sp else t for t, sp in zip(tokens, spaces, strict=True)]
-    vocab = {piece: i for i, piece in enumerate(pieces)}
-    mergeable = {
-        p: sc for p, sc, ty, sp in zip(pieces, scores, types, spaces, strict=True) if ty == 1 or sp
-    }
-    merges = generate_merges({p: vocab[p] for p in mergeable}, mergeable)
-    special = {int(scalar(f"tokenizer.ggml.{n}_token_id")): n for n in ("bos", "eos", "unknown")
-               if scalar(f"tokenizer.ggml.{n}_token_id") is not None}  # fmt: skip
-    unk = next((pieces[i] for i, n in special.items() if n == "unknown"), None)
-    tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(p, normalized=False, special=ty == 3)
-            for p, ty, sp in zip(pieces, types, spaces, strict=True)
-            if ty == 3 or (ty == 4 and not sp)
-        ]
-    )
-    named = {n: pieces[i] for i, n in special.items()}
-    bos = named.get("bos")
-    if bos is not None and bool(scalar("tokenizer.ggml.add_bos_token")):
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-        )
-    pad_id = scalar("tokenizer.ggml.padding_token_id")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=named.get("eos"),
-        unk_token=unk,
-        pad_token=pieces[int(pad_id)] if pad_id is not None else None,
-    )
 
 
 _LAYER_RENAMES = {

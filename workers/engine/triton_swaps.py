@@ -15,7 +15,7 @@ Parameters, buffers and state-dict names are untouched (only `__class__` changes
 is cheap, idempotent and undone by `remove_triton_kernels`. A compiled decode step's
 `DecodeBatch` still goes through the reference path. The kernel modules (and triton) are
 imported here, so the engine imports this module only when asked for the swap on CUDA (or in
-the CPU tests, whose process runs Triton's interpreter: `kernels.triton_attention.INTERPRETED`).
+the CPU tests, whose process runs Triton's interpreter: `kernels.triton_common.INTERPRETED`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from kernels import triton_attention, triton_norm_rope
+from kernels import triton_attention, triton_common, triton_norm_rope
 from kernels.attention import AttentionMetadata
 from kernels.triton_attention import PagedDecodeBatch
 from workers.engine.model import Attention, AttnMeta, Block, RMSNorm
@@ -93,7 +93,7 @@ def kernels_runnable(model: nn.Module) -> bool:
     """Whether the Triton kernels can run on this model's device: CUDA, or anywhere under
     Triton's interpreter (the CPU tests)."""
     weight = next(model.parameters())
-    return weight.device.type == "cuda" or triton_attention.INTERPRETED
+    return weight.device.type == "cuda" or triton_common.INTERPRETED
 
 
 def apply_triton_kernels(model: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """Per-language intake quota at the Kafka consumer, as pure logic.
 
-librdkafka gives no fairness across the topics one consumer reads (PITFALLS), so a flood of
+librdkafka gives no fairness across the topics one consumer reads (it fetches whatever the
+brokers return, a flooded topic first), so a flood of
 German would fill the engine's queue and memory before VTC gets a say. The worker therefore
 counts, per language, the requests it has taken from Kafka and not yet finished, and pauses the
 language's partitions when that count reaches its high water mark. A paused partition must stay

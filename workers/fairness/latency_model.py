@@ -1,9 +1,9 @@
 """Completion-latency prediction and deadline admission.
 
-The most repeated ask to serving engines is a queue deadline that expires work *before* prefill
-(PITFALLS). To refuse a request that cannot make its deadline we need a latency estimate at
-admission time, from what is known then: uncached prompt tokens, expected output tokens, the
-running batch size and the cached prompt tokens.
+The most repeated ask to serving engines (vLLM, SGLang issues) is a queue deadline that expires
+work *before* prefill. To refuse a request that cannot make its deadline we need a latency
+estimate at admission time, from what is known then: uncached prompt tokens, expected output
+tokens, the running batch size and the cached prompt tokens.
 
 The model is linear in a small feature map that follows the engine's cost model
 (step time = a + b * prefill_tokens + c * batch_size, one step per output token):
@@ -48,8 +48,8 @@ FEATURE_NAMES = ("base", "uncached", "cached", "out", "batch", "out_x_batch")
 class LatencyPrior:
     """Per-token constants used before enough samples are seen (seconds).
 
-    Defaults follow the CPU anchors in PITFALLS (2 threads: prompt ~220 tok/s, decode step
-    ~9 ms + ~2.7 ms per sequence in the batch).
+    Defaults follow CPU anchors measured on the development machine (2 threads: prompt
+    ~220 tok/s, decode step ~9 ms + ~2.7 ms per sequence in the batch).
     """
 
     base_s: float = 0.0  # fixed overhead per request
@@ -77,7 +77,7 @@ def prior_from_step_costs(
     step_base_s: float, prefill_s_per_token: float, batch_s_per_seq: float
 ) -> LatencyPrior:
     """A latency prior from measured step costs (step = a + b * prefill + c * batch, the
-    simulator's `CostModel` in workers.serving.simulate): a request decoding `out` tokens in a
+    simulator's `CostModel` in workers.serving.sim_config): a request decoding `out` tokens in a
     batch of B spends `out` steps of a + c * B, plus b per uncached prompt token for its
     prefill. Far closer than the generic CPU prior on another machine, so the model predicts
     well before its first refit."""

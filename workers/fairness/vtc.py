@@ -27,7 +27,8 @@ Design notes:
 - Inside a group requests go earliest deadline first; requests without a deadline come after
   those with one; ties by arrival time, then by push order. One binary heap per group, with
   lazy deletion for `remove()`, so push/pop/remove are O(log n) and `peek()` is O(#groups)
-  (a handful of languages). Nothing sorts the backlog per step (see PITFALLS on SGLang).
+  (a handful of languages). Nothing sorts the backlog per step (a per-step sort of
+  the waiting queue is what made SGLang's scheduler slow under a deep backlog).
 - Not thread-safe: the engine's scheduler thread owns it. Readers on other threads go through
   `workers.serving.queue_snapshot.GuardedQueue` (one lock, frozen snapshots of the ledger).
 

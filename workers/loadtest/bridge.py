@@ -9,7 +9,8 @@ running an event loop with one started `TranslationClient`, and
   says however slow the worker is (open loop);
 * each task measures its latency from the *scheduled* send time (`time.monotonic()` of the
   user's timer), not from when the send actually started, so a late send counts against the
-  service (coordinated omission, PITFALLS "Load testing"); the lag itself is kept as
+  service (measuring from the actual send would hide the wait: coordinated omission); the lag
+  itself is kept as
   `send_lag_s`;
 * finished requests (a reply of any status, a timeout, a request never delivered) are
   appended to a deque that `drain()` empties from the greenlet side: deque append/popleft

@@ -10,12 +10,13 @@ partitions bring it more than its fair share. If a worker holds no partition of 
 the languages it does hold split its whole capacity between them, and the global split
 follows the partition assignment, not the weights.
 
-Hence the deployment rule (docs/ARCHITECTURE.md, "Several workers"): give each language topic
-at least as many partitions as there will be workers (a multiple of the worker count keeps
-the spread even), so that the group's assignor hands every worker partitions of every
-language. Kafka's cooperative-sticky assignor deals the partitions of identically subscribed
-members out evenly, topic by topic (tests/workers/test_partition_spread.py checks it on the
-real broker).
+Hence the deployment rule (docs/ARCHITECTURE.md, "Several workers"): run the group with the
+KIP-848 protocol (`TOLK_GROUP_PROTOCOL=consumer`) and give each language topic at least as
+many partitions as there will be workers (a multiple of the worker count keeps the spread
+even). The broker's `range` assignor of KIP-848 then splits every language topic over all
+workers; the classic protocol's cooperative-sticky assignor balances only each worker's total
+number of partitions, and on the real broker gave one of three workers all four partitions of
+one language and the others none (tests/workers/test_partition_spread.py measures both).
 
 `simulate_group` runs one `workers.serving.simulate` simulation per worker (the real scheduler
 and queue, no model), each with the share of every language's offered load that its partitions
@@ -29,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from workers.fairness.vtc import jain_index
-from workers.serving.simulate import SimConfig, simulate
+from workers.serving.sim_config import SimConfig
+from workers.serving.simulate import simulate
 
 __all__ = ["GroupResult", "simulate_group"]
 

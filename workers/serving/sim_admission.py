@@ -19,7 +19,6 @@ at a multiple of the engine's capacity, one light language at a fraction of its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from workers.engine.scheduler import SequenceState
 from workers.engine.types import (
@@ -32,9 +31,7 @@ from workers.engine.types import (
 from workers.fairness.latency_model import LatencyModel, prior_from_step_costs
 from workers.fairness.policy import DEFAULT_POLICIES
 from workers.serving.admission import EngineAdmission
-
-if TYPE_CHECKING:  # simulate.py imports this module
-    from workers.serving.simulate import CostModel, SimConfig
+from workers.serving.sim_config import CostModel, LanguageLoad, SimConfig, estimate_capacity_rps
 
 __all__ = ["SimAdmission", "overload_scenario"]
 
@@ -120,13 +117,6 @@ def overload_scenario(
     arriving together: a chat turn split into segments) (weights and SLOs of DEFAULT_POLICIES
     unless `slo_s` says otherwise); every request's deadline is arrival + its SLO; the VTC queue
     with the worker's burst credit; the worker's deadline admission when `admission`."""
-    from workers.serving.simulate import (
-        CostModel,
-        LanguageLoad,
-        SimConfig,
-        estimate_capacity_rps,
-    )
-
     cost = cost or CostModel()
     uncached = sum(prompt_tokens) / 2 - cached_prefix_tokens
     cap = estimate_capacity_rps(uncached, sum(output_tokens) / 2, token_budget, max_batch, cost)

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from workers.engine.types import GenerationRequest
 from workers.fairness.vtc import jain_index
-
-if TYPE_CHECKING:  # simulate.py imports this module; the config is only a type here
-    from workers.serving.simulate import SimConfig
+from workers.serving.sim_config import SimConfig
 
 __all__ = ["LanguageResult", "RequestRecord", "SimResult", "summarize"]
 

@@ -1,5 +1,5 @@
 """What the guard counts (workers/guard/windows.py) and how its core judges a table's windows
-(workers/guard/app.py's GuardCore, without faust): bad replies counted and ignored, each
+(workers/guard/core.py's GuardCore, without faust): bad replies counted and ignored, each
 record counted once, percentiles from the histogram."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from schemas.codec import encode_result
 from workers.fairness.policy import LanguagePolicy
-from workers.guard.app import GuardConfig, GuardCore
+from workers.guard.core import GuardConfig, GuardCore
 from workers.guard.policy import GuardPolicy, RolloutState
 from workers.guard.windows import (
     Ignored,

@@ -1,0 +1,137 @@
+"""What an engine step's sampled tokens become: stop decisions, counters, finished results.
+
+Moved out of workers/engine/engine.py (issue 27: no product file over 400 lines) as a pure
+move: `Engine` inherits these methods from `StepResults`, their bodies unchanged. The seam is
+after the forward: `Engine.step` runs the model (`ModelStep`, workers/engine/forward.py) and
+hands the sampled tokens to the scheduler with `_stop_check` as the stop rule, then
+
+* `_stop_check`: EOS (unless `ignore_eos`), the `max_new_tokens` length, a newline for
+  one-line prompts, a stop string in the decoded tail; returns (finish reason or None,
+  whether the token is kept);
+* `_account`: the step's counters in `EngineStats` (preemptions, prefill and decode tokens,
+  batch sizes);
+* `_finish`: a finished sequence as a `GenerationResult` (decoded text cut at the stop rules,
+  timings), resolving its `RequestHandle`;
+* `_fail_all`: after a step raised, every live request (running, preempted, queued) finishes
+  ERROR with the error and the scheduler starts empty;
+* `step_record`: one line of `Engine.step_trace` (kind, sequences, tokens, seconds).
+
+The attributes read are the engine's (declared below for the type checker); nothing here owns
+state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from workers.engine.engine_config import EngineStats
+from workers.engine.kv_cache import KVCacheManager
+from workers.engine.prompts import PromptBuilder
+from workers.engine.sampling import TokenSampler
+from workers.engine.scheduler import Scheduler, SchedulerOutput, SequenceState
+from workers.engine.types import (
+    FinishReason,
+    GenerationResult,
+    RequestHandle,
+    StepRecord,
+    Timings,
+)
+
+__all__ = ["StepResults", "step_record"]
+
+
+class StepResults:
+    """The result side of `workers.engine.engine.Engine`'s step (module notes)."""
+
+    # the engine's, set in Engine.__init__
+    tokenizer: Any  # a transformers tokenizer
+    prompts: PromptBuilder
+    stats: EngineStats
+    sampler: TokenSampler
+    scheduler: Scheduler
+    kv: KVCacheManager
+    _handles: dict[str, RequestHandle]
+
+    def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
+        p = seq.request.params
+        if not p.ignore_eos and token in self.prompts.stop_rules.eos_ids:
+            return FinishReason.STOP, False
+        if len(seq.output_ids) + 1 >= p.max_new_tokens:
+            return FinishReason.LENGTH, True
+        if p.stop_at_newline and "\n" in self.tokenizer.decode([token]):
+            return FinishReason.STOP, True
+        if p.stop_strings:
+            tail = self.tokenizer.decode([*seq.output_ids[-8:], token])
+            if any(s in tail for s in p.stop_strings):
+                return FinishReason.STOP, True
+        return None, True
+
+    def _account(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        s = self.stats
+        s.preemptions += len(out.preempted)
+        decode = sum(1 for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
+        s.prefill_tokens += out.num_batched_tokens - decode
+        s.decode_tokens += len(sampled)
+        s.last_batch_size = len(out.chunks)
+        s.batch_sizes.append(len(out.chunks))
+        if len(s.batch_sizes) > 1024:
+            del s.batch_sizes[:512]
+
+    def _finish(self, seq: SequenceState) -> GenerationResult:
+        now = time.monotonic()
+        req = seq.request
+        reason = seq.finish_reason or FinishReason.ERROR
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        if req.params.stop_at_newline:
+            text = text.split("\n", 1)[0]
+        for s in req.params.stop_strings:
+            text = text.split(s, 1)[0]
+        sched = seq.first_scheduled_at
+        first = seq.first_token_at
+        timings = Timings(
+            queue_s=(sched - req.arrival) if sched else now - req.arrival,
+            prefill_s=(first - sched) if (first and sched) else 0.0,
+            decode_s=(now - first) if first else 0.0,
+            total_s=now - req.arrival,
+        )
+        result = GenerationResult(
+            request_id=req.request_id,
+            token_ids=list(seq.output_ids),
+            text=text.strip(),
+            finish_reason=reason,
+            tokens_in=seq.num_prompt_tokens,
+            tokens_out=len(seq.output_ids),
+            cached_tokens=seq.num_cached,
+            timings=timings,
+            error=seq.error,
+        )
+        self.stats.finished += 1
+        self.sampler.forget(req.request_id)
+        handle = self._handles.pop(req.request_id, None)
+        if handle is not None:
+            handle.set_result(result)
+        return result
+
+    def _fail_all(self, error: str) -> None:
+        """After a failed step: fail every live request, reset the scheduler's state."""
+        sched = self.scheduler
+        seqs = [*sched.running, *sched.preempted]
+        while len(sched.queue):
+            r = sched.queue.pop()
+            seqs.append(SequenceState(r, list(r.prompt_ids), len(r.prompt_ids)))
+        for seq in sched.running:
+            self.kv.free(seq.request_id)
+        sched.running.clear()
+        sched.preempted.clear()
+        for seq in seqs:
+            seq.finish_reason = FinishReason.ERROR
+            seq.error = error
+            self._finish(seq)
+
+
+def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
+    decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1)
+    kind = "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
+    tokens = sum(c.num_tokens for c in out.chunks)
+    return StepRecord(kind, len(out.chunks), tokens, seconds)
