@@ -188,13 +188,7 @@ class FaithfulEngine(EngineWrapper):
     def _on_retry(
         self, job: RetryJob, result: GenerationResult, first: Check, second: GenerationResult
     ) -> None:
-        if second.finish_reason is FinishReason.CANCELLED:
-            job.resolve(merged_runs(result, second, job.request.request_id))
-            return
-        if not second.ok:
-            why = f"finished {second.finish_reason.value}: {second.error}"
-            reran = dataclasses.replace(result, retries=result.retries + 1)
-            self._flag(job, reran, first, retry=why)
+        if job.rerun_ended(result, second, lambda ran, why: self._flag(job, ran, first, retry=why)):
             return
         checked = self._check(job, second)
         merged = merged_runs(result, second, job.request.request_id)

@@ -154,13 +154,10 @@ class ProtectedSpansEngine(EngineWrapper):
         exc: RestoreError,
         result: GenerationResult,
     ) -> None:
-        if result.finish_reason is FinishReason.CANCELLED:
-            job.resolve(merged_runs(masked_result, result, job.request.request_id))
-            return
-        if not result.ok:
-            why = f"unmasked retry finished {result.finish_reason.value}: {result.error}"
-            reran = dataclasses.replace(masked_result, retries=masked_result.retries + 1)
-            self._flag_masked(job, reran, exc, why)
+        def failed(ran: GenerationResult, why: str) -> None:
+            self._flag_masked(job, ran, exc, f"unmasked retry {why}")
+
+        if job.rerun_ended(masked_result, result, failed):
             return
         found, total = preservation(job.request.text, result.text)
         outcome = "retried_unmasked" if found == total else "flagged"

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.types import RequestHandle, TranslationEngine, TranslationRequest
+from workers.engine_wrapper import EngineWrapper
 from workers.serving.fair_engine import FairEngine
 
 __all__ = [
@@ -172,9 +173,10 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
-class ServedEngine:
-    """What the worker serves: the outermost stage's request path, the stages by name, and
-    what the worker reads of the engine inside, given explicitly."""
+class ServedEngine(EngineWrapper):
+    """What the worker serves: the outermost stage's request path (the pass-through of
+    `EngineWrapper`), the stages by name, and what the worker reads of the engine inside,
+    given explicitly."""
 
     def __init__(
         self,
@@ -183,16 +185,18 @@ class ServedEngine:
         base: Any,
         stages: dict[str, TranslationEngine],
     ) -> None:
-        self.entry = entry  # the outermost stage (the core when no stage is on)
+        self.inner = entry  # the outermost stage (the core when no stage is on)
         self.core = core
         self.base = base  # the Engine that builds the prompts (None for a test's engine)
         self.stages = stages  # name -> stage, as built
-        self.model_version = core.model_version
-        self.languages = core.languages
         fair = core if isinstance(core, FairEngine) else None
         # read by the worker's gauges (workers/worker.py): None where the engine has none
         self.queue_snapshot = fair.queue_snapshot if fair is not None else None
         self.stats_snapshot = getattr(fair or base, "stats_snapshot", None)
+
+    @property
+    def entry(self) -> TranslationEngine:
+        return self.inner
 
     def stage(self, name: str) -> Any:
         """The stage `name` as built (KeyError when it is off)."""
@@ -208,16 +212,7 @@ class ServedEngine:
         return getattr(self.base, "loop_heartbeat", None)
 
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
-        return self.entry.submit_translation(request)
-
-    def count_tokens(self, text: str) -> int:
-        return self.entry.count_tokens(text)
-
-    def start(self) -> None:
-        self.entry.start()
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        self.entry.stop(drain=drain, timeout=timeout)
+        return self.inner.submit_translation(request)
 
     def bind_metrics(self, metrics: Any) -> None:
         """Every stage counts in the worker's metrics from now on."""

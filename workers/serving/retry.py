@@ -13,6 +13,9 @@ share is here, once:
   run's request id, workers/context_engine.py), its submit refused with the engine's own
   exception (the stage answers what it has), a cancel that raced with that submit passed on
   to the new run;
+* `rerun_ended`: the ends of a rerun that every stage treats alike: cancelled (the caller
+  gets CANCELLED with the work of both runs) or failed (the stage answers from the first run,
+  counted as rerun);
 * `resolve`: the caller's handle set, under the caller's request id.
 
 What a stage does with each run's result (check, restore, merge, note, count) stays in the
@@ -26,7 +29,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from workers.engine.types import GenerationResult, RequestHandle, TranslationRequest
+from workers.engine.types import (
+    FinishReason,
+    GenerationResult,
+    RequestHandle,
+    TranslationRequest,
+)
+from workers.engine_wrapper import merged_runs
 
 __all__ = ["RetryJob"]
 
@@ -81,6 +90,23 @@ class RetryJob:
             **changes,
         )
         self.run(engine, on_done, again)
+
+    def rerun_ended(
+        self,
+        first: GenerationResult,
+        second: GenerationResult,
+        on_failed: Callable[[GenerationResult, str], None],
+    ) -> bool:
+        """Settle a rerun that was cancelled (answer CANCELLED, both runs' work) or failed
+        (`on_failed(first counted as rerun, why)`); False when it answered (the stage's part)."""
+        if second.finish_reason is FinishReason.CANCELLED:
+            self.resolve(merged_runs(first, second, self.request.request_id))
+            return True
+        if not second.ok:
+            why = f"finished {second.finish_reason.value}: {second.error}"
+            on_failed(dataclasses.replace(first, retries=first.retries + 1), why)
+            return True
+        return False
 
     def resolve(self, result: GenerationResult) -> None:
         """Answer the caller, under its own request id."""
