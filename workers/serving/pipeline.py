@@ -133,7 +133,7 @@ def _cache(inner: TranslationEngine, b: Build) -> TranslationEngine:
         l2=l2,
         prompt_set_version=prompt_set_version(),
         fingerprint=engine_fingerprint(inner.model_version, b.layers[::-1], variant),
-        prompt_form=getattr(b.prompts, "default_form", "") if b.prompts is not None else "",
+        prompt_form=b.prompts.default_form if b.prompts is not None else "",
         l2_patience_s=s.store_patience_s,
     )
 
