@@ -5,7 +5,7 @@ protection and retrieved examples (a hit skips them), inside conversation contex
 Per request (`submit_translation`, on the worker's
 poll thread):
 
-1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the wrappers
+1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the stages
    inside with their `key_note`s, runtime variant), prompt-set version, the engine's default
    prompt form, languages, normalized text. Texts longer than
    `max_text_chars` bypass the cache (straight to the engine, no note).
@@ -172,7 +172,7 @@ class CachingEngine(EngineWrapper):
         self._l2_writes.stop()
 
     def bind_metrics(self, metrics: _CacheMetrics) -> None:
-        """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""
+        """Count in the worker's `tolk_cache_*` from now on."""
         self._metrics = metrics
         metrics.cache_l2_up.set(0 if self.l2 is None or self.l2.degraded else 1)
 

@@ -24,11 +24,11 @@ and because it decides which requests may see the cache:
    the examples) while the turn is not that turn's source is the model continuing the
    conversation instead of translating: the turn runs once more without history (through
    `inner`, request id + `~nohistory`, a `RetryJob` rerun), and that answer is the reply (note
-   `tolk.context.retry`, count `history_leak`). The check runs on what the wrappers inside
+   `tolk.context.retry`, count `history_leak`). The check runs on what the stages inside
    gave, after their own checks and retries.
 4. When the turn's translation is given (the handle resolves OK), it is recorded as history:
    its query, and the engine's own generated ids when they are the answer given (else the
-   answer's text, e.g. a cache hit, or spans restored by the protection wrapper), so the next
+   answer's text, e.g. a cache hit, or spans restored by the protection stage), so the next
    turn of the same target language extends this prompt and hits its KV blocks in the prefix
    cache (`workers/context.py`, "Growing prefix"). A failed, expired or cancelled turn is not
    recorded; the conversation goes on without it.

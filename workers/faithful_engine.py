@@ -137,8 +137,7 @@ class FaithfulEngine(EngineWrapper):
     # -- TranslationEngine -------------------------------------------------------------------
 
     def bind_metrics(self, metrics: _FaithfulMetrics) -> None:
-        """Count in the worker's `tolk_faithful_*` counters from now on (and pass the metrics
-        on to an inner wrapper that counts too)."""
+        """Count in the worker's `tolk_faithful_*` counters from now on."""
         self._metrics = metrics
 
     def length_cap(self, text: str, source_lang: str, target_lang: str) -> int:

@@ -27,8 +27,8 @@ request in another prompt form, shows the same examples.
 The exact-match cache must not answer a plain arm's request with a retrieved-examples
 translation or the other way round: `key_note` (k, the similarity floor, the length cap and a
 digest of every index's pairs and parameters) goes into the cache's engine fingerprint
-(`workers.cache_engine.engine_fingerprint`), besides this class's name in the wrapper chain;
-rebuilding the TM with other pairs retires its cached translations.
+(`workers.cache_engine.engine_fingerprint`), besides this class's name among the stages
+below the cache; rebuilding the TM with other pairs retires its cached translations.
 
 Retrieval runs on the caller's thread (the worker's poll loop): about a millisecond or two of
 embedding plus well under a millisecond of search per request (`bench/tm_prompt.py` measures

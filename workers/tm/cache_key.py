@@ -3,7 +3,7 @@
 Two requests may share a cached translation only if the same engine would produce the same
 text for both, so the key holds everything that decides the output:
 
-* the engine fingerprint: the model version, the A/B arm, the wrappers inside the cache
+* the engine fingerprint: the model version, the A/B arm, the stages inside the cache
   (protected spans, faithful output, ...) and runtime variants that change tokens (int8
   weights); `CachingEngine` builds it (`engine_fingerprint`);
 * the prompt-set version (`workers.engine.prompts.prompt_set_version()`: a hash of
