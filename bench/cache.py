@@ -4,9 +4,12 @@
     python -m bench.cache --engine gemma3-270m --limit 200 --rate 2   # the real model (slow)
 
 One process holds one worker thread (real Kafka and Redis: the local stack must run,
-`bash compose/stack.sh up`) on its own topics (a fresh prefix), with the engine behind
-`workers.cache_engine.with_translation_cache`, as `tolk worker` composes it. The cache's
-fingerprint gets a variant unique to the run, so entries other runs left in Redis never count.
+`bash compose/stack.sh up`) on its own topics (a fresh prefix), with the engine in the stages
+`tolk worker` serves by default, as its builder composes them
+(`workers.serving.pipeline.build_served_engine`: the faithfulness stage inside the exact-match
+cache; with `--engine fake` the cache alone, since the fake's reversed words are no translation
+for the faithfulness checks to judge). The cache's fingerprint gets a variant unique to the
+run, so entries other runs left in Redis never count.
 The replay job (`tolk replay run`, in its own process) sends the dialogues'
 turns (both directions: customers de->en, agents en->de) open loop at `--rate`, in log order,
 and collects the replies; then it does the same again (the same turns, new request ids).
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._common import JSON, dump, machine_info, write_json
+from workers import reply_metadata
 
 TIERS = ("l1", "l2", "joined", "miss")
 
@@ -63,22 +67,12 @@ class ModelFreeEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> Any:
+    def submit_translation(self, request: Any) -> Any:
         from workers.engine.types import RequestHandle
 
-        handle = RequestHandle(request_id, lambda _rid: None)
+        handle = RequestHandle(request.request_id, lambda _rid: None)
         with self._cv:
-            self._queue.append((handle, text, target_lang))
+            self._queue.append((handle, request.text, request.target_lang))
             self._cv.notify()
         return handle
 
@@ -171,13 +165,13 @@ def pass_figures(replies: Sequence[JSON]) -> JSON:
     for r in replies:
         statuses[str(r["status"])] += 1
         direction = f"{r['source_lang']}->{r['target_lang']}"
-        how = str((r.get("metadata") or {}).get("tolk.cache", "none"))
+        how = str((r.get("metadata") or {}).get(reply_metadata.CACHE, "none"))
         by_direction.setdefault(direction, Counter())[how] += 1
         meta = r.get("metadata") or {}
         if r["status"] != "OK":
             not_cacheable[f"status_{r['status']}"] += 1
-        elif "tolk.finish_reason" in meta:
-            not_cacheable[f"finish_{meta['tolk.finish_reason']}"] += 1
+        elif reply_metadata.FINISH_REASON in meta:
+            not_cacheable[f"finish_{meta[reply_metadata.FINISH_REASON]}"] += 1
         elif not r.get("text"):
             not_cacheable["empty"] += 1
         if how in ("l1", "l2"):
@@ -287,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from topics.admin import ensure_topics
     from topics.catalog import catalog
-    from workers.cache_engine import with_translation_cache
+    from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.settings import Settings
     from workers.worker import Worker
 
@@ -317,9 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         policies = {k: v for k, v in settings.policies.items() if k in langs}
         engine = build_fair_engine(EngineConfig(model=args.engine, warm_languages=langs), policies)
-    cached = with_translation_cache(engine, settings, variant=f"bench={run}")
+    caps = [p.max_new_tokens for k, p in settings.policies.items() if k in langs]
+    options = ServingOptions(
+        faithful=args.engine != "fake",
+        max_new_tokens=max(caps, default=256),  # as tolk worker sets the guard's default
+        cache=True,
+        cache_variant=f"bench={run}",
+    )
+    served = build_served_engine(engine, settings, options)
     registry = CollectorRegistry()
-    worker = Worker(settings, cached, registry=registry)
+    worker = Worker(settings, served, registry=registry)
     stop = threading.Event()
     thread = worker.run_in_thread(stop)
     result: JSON = {

@@ -6,15 +6,15 @@ first `--max-turns` turns, turns in the order spoken (customer de->en, agent en-
 
 1. **Quality.** Two passes over the same turns with one engine (greedy, the default prompt
    form, no wrappers, the same `--max-new-tokens`): `plain` (every turn alone) and `context`
-   (`workers.context_engine.ContextEngine` over the engine, the `tolk worker --context` code
-   path, history budget `--budget`, history layout `--layout`: one direction's turns or the
-   whole dialogue, `workers/context.py`); with `--faithful` both passes run under the
-   faithfulness checks as `tolk worker` does (policy `flag`, so every answer is scored; the
-   outcomes are counted per pass). A pass goes round by round: round r submits the r-th turn
-   of every dialogue at once and runs them to completion (a batch, as concurrent
-   conversations are), so turn r+1 sees turn r's answer. Per direction: chrF of each pass
-   (sacrebleu statistics), context minus plain with a paired bootstrap 95 % interval and the
-   verdict (`replay.stats`, as the replay report), and the wall time per pass.
+   (the context stage over the engine as `tolk worker --context` composes it,
+   `workers.serving.pipeline.build_served_engine`, history budget `--budget`, history layout
+   `--layout`: one direction's turns or the whole dialogue, `workers/context.py`); with
+   `--faithful` both passes run under the faithfulness checks as `tolk worker` does (policy
+   `flag`, so every answer is scored; the outcomes are counted per pass). A pass goes round by
+   round: round r submits the r-th turn of every dialogue at once and runs them to completion
+   (a batch, as concurrent conversations are), so turn r+1 sees turn r's answer. Per direction:
+   chrF of each pass (sacrebleu statistics), context minus plain with a paired bootstrap 95 %
+   interval and the verdict (`replay.stats`, as the replay report), and the wall time per pass.
 2. **Kept warm.** `--ttft-dialogues` dialogues in context, one turn at a time (batch 1, no
    other load in the engine): per turn, the prompt's length, its tokens served from the prefix
    cache and the time to first token (`Timings.prefill_s`; queue time is ~0 at batch 1). Then
@@ -58,7 +58,7 @@ from bench._common import machine_info, parse_csv, write_json
 from replay.datasets import Utterance, bcontrast
 from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap, verdict
-from workers.context import DEFAULT_LAYOUT, LAYOUTS, ConversationMemory
+from workers.context import DEFAULT_LAYOUT, LAYOUTS
 from workers.context_engine import ContextEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import (
@@ -67,9 +67,10 @@ from workers.engine.types import (
     RequestHandle,
     SamplingParams,
     TranslationEngine,
+    TranslationRequest,
 )
-from workers.engine_wrapper import EngineWrapper
-from workers.faithful_engine import faithful
+from workers.serving.pipeline import ServedEngine, ServingOptions, build_served_engine
+from workers.settings import Settings
 
 DIRECTIONS = ("de-en", "en-de")
 
@@ -84,25 +85,35 @@ class TurnRun:
     ttft_s: float  # first scheduled -> first token
 
 
-class _RecordingEngine(EngineWrapper):
-    """The engine, keeping each request's prompt ids (the cold re-run needs them)."""
+class _RecordingEngine:
+    """The engine, keeping each request's prompt ids (the cold re-run needs them): the core the
+    builder wraps, in place of the engine itself."""
 
     def __init__(self, engine: Engine) -> None:
-        self.inner = engine
         self.engine = engine
+        self.model_version = engine.model_version
+        self.languages = engine.languages
         self.prompts: dict[str, list[int]] = {}
 
-    def submit_translation(self, **kw: Any) -> RequestHandle:
-        request = self.engine.translation_request(
-            kw.pop("text"),
-            kw.pop("source_lang"),
-            kw.pop("target_lang"),
-            request_id=kw.pop("request_id"),
-            deadline=kw.pop("deadline", None),
-            max_new_tokens=kw.pop("max_new_tokens", None),
-        )
-        self.prompts[request.request_id] = list(request.prompt_ids)
-        return self.engine.submit(request)
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        built = self.engine.generation_request(request)
+        self.prompts[built.request_id] = list(built.prompt_ids)
+        return self.engine.submit(built)
+
+    def count_tokens(self, text: str) -> int:
+        return self.engine.count_tokens(text)
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.engine.stop(drain=drain, timeout=timeout)
+
+
+def _served(engine: Engine, core: Any, budget: int, layout: str, **options: Any) -> ServedEngine:
+    """`core` in the stages `options` turn on, as `tolk worker` composes them."""
+    settings = Settings(context_tokens=budget, context_layout=layout)
+    return build_served_engine(core, settings, ServingOptions(**options), base=engine)
 
 
 def dialogues(n: int, max_turns: int, seed: int) -> list[list[Utterance]]:
@@ -119,11 +130,7 @@ def _run(result: GenerationResult) -> TurnRun:
 
 
 def run_pass(
-    engine: Engine,
-    convs: list[list[Utterance]],
-    max_new: int,
-    served: TranslationEngine,
-    context: ContextEngine | None,
+    engine: Engine, convs: list[list[Utterance]], max_new: int, served: TranslationEngine
 ) -> list[list[TurnRun]]:
     """Round by round: the r-th turn of every dialogue together, run to completion."""
     out: list[list[TurnRun]] = [[] for _ in convs]
@@ -133,19 +140,15 @@ def run_pass(
             if r >= len(conv):
                 continue
             u = conv[r]
-            kw: dict[str, Any] = dict(
-                request_id=f"{u.conversation_id}-{u.turn}-{r}",
-                text=u.source,
-                source_lang=u.source_lang,
-                target_lang=u.target_lang,
+            request = TranslationRequest(
+                f"{u.conversation_id}-{u.turn}-{r}",
+                u.source,
+                u.source_lang,
+                u.target_lang,
                 max_new_tokens=max_new,
+                conversation_id=u.conversation_id,  # the context stage's; the others ignore it
             )
-            if context is not None:
-                handles.append(
-                    (i, context.submit_translation(**kw, conversation_id=u.conversation_id))
-                )
-            else:
-                handles.append((i, served.submit_translation(**kw)))
+            handles.append((i, served.submit_translation(request)))
         engine.run_until_done()
         for i, h in handles:
             out[i].append(_run(h.result(0)))
@@ -191,20 +194,19 @@ def kept_warm(
     same prepared model (its own KV pools) whose cache holds only the turn's language prefix."""
     cold_engine = Engine(engine.prepared, engine.config)
     recorder = _RecordingEngine(engine)
-    ctx = ContextEngine(recorder, base=engine, memory=ConversationMemory(budget, layout=layout))
+    served = _served(engine, recorder, budget, layout, faithful=False, context=True)
+    ctx: ContextEngine = served.stage("context")
     turns: list[dict[str, Any]] = []
     for conv in convs:
         for r, u in enumerate(conv):
             rid = f"warm-{u.conversation_id}-{u.turn}"
             start_turns = len(ctx.memory.history(u.conversation_id, u.source_lang, u.target_lang))
-            h = ctx.submit_translation(
-                request_id=rid,
-                text=u.source,
-                source_lang=u.source_lang,
-                target_lang=u.target_lang,
-                max_new_tokens=max_new,
-                conversation_id=u.conversation_id,
-            )
+            h = served.submit_translation(
+                TranslationRequest(
+                    rid, u.source, u.source_lang, u.target_lang,
+                    max_new_tokens=max_new, conversation_id=u.conversation_id,
+                )
+            )  # fmt: skip
             engine.run_until_done()
             res = h.result(0)
             t: dict[str, Any] = {
@@ -374,23 +376,21 @@ def main() -> None:
         for name in args.passes:
             engine.kv.reset_prefix_cache()
             engine.warm(["en", "de"])
-            ctx = None
-            engine.prompt_history = None
-            served: Any = engine
-            if args.faithful:  # the service's checks, policy flag: the text is scored
-                served = faithful(engine, policy="flag", default_max_new_tokens=args.max_new_tokens)
-            if name == "context":
-                memory = ConversationMemory(args.budget, layout=args.layout)
-                ctx = ContextEngine(served, base=engine, memory=memory)
+            # the service's checks with --faithful, policy flag: every text is scored
+            served = _served(
+                engine, engine, args.budget, args.layout,
+                faithful=args.faithful, faithful_policy="flag",
+                max_new_tokens=args.max_new_tokens, context=name == "context",
+            )  # fmt: skip
             t0 = time.perf_counter()
-            passes[name] = run_pass(engine, convs, args.max_new_tokens, served, ctx)
+            passes[name] = run_pass(engine, convs, args.max_new_tokens, served)
             seconds[name] = round(time.perf_counter() - t0, 1)
             print(f"{name}: {seconds[name]} s", file=sys.stderr, flush=True)
-            if ctx is not None:  # contextual, no_history, history_leak (retried), recorded
-                out["context_counts"] = dict(ctx.counts)
+            if "context" in served.stages:  # contextual, no_history, history_leak, recorded
+                out["context_counts"] = dict(served.stage("context").counts)
             if args.faithful:  # per pass: outcomes (retried, flagged) over both languages
                 outcomes = out.setdefault("faithful_outcomes", {})
-                outcomes[name] = _by_label(served.outcomes)
+                outcomes[name] = _by_label(served.stage("faithful").outcomes)
         out["seconds"] = seconds
         out["runs"] = {n: [[asdict(t) for t in c] for c in runs] for n, runs in passes.items()}
         if {"plain", "context"} <= set(passes):

@@ -56,6 +56,7 @@ from bench._common import machine_info
 from workers.fairness.latency_model import LatencyModel
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, DEFAULT_POLICIES, LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, jain_index
+from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.serving.sim_config import CostModel, issue_scenario
 from workers.serving.simulate import simulate
 
@@ -387,7 +388,9 @@ def run_real_arm(
     )
     reader = _ReplyReader(args.bootstrap, replies_topic(prefix))
     reader.start()
-    worker = Worker(settings, fe, registry=CollectorRegistry())
+    # the builder with no stage on: the fair engine alone (workers/serving/pipeline.py)
+    served = build_served_engine(fe, settings, ServingOptions(faithful=False))
+    worker = Worker(settings, served, registry=CollectorRegistry())
     wthread = worker.run_in_thread()
     if not worker.assigned_event.wait(60):
         raise RuntimeError("worker got no partitions")
@@ -712,7 +715,9 @@ def run_memory(args: argparse.Namespace, loaded: Any) -> dict:
         max_in_flight=4 * hw + 16,
         max_poll_records=max(1, hw // 2),  # one consume() batch may overshoot high water
     )
-    worker = Worker(settings, fe, registry=CollectorRegistry())
+    # the builder with no stage on: the fair engine alone (workers/serving/pipeline.py)
+    served = build_served_engine(fe, settings, ServingOptions(faithful=False))
+    worker = Worker(settings, served, registry=CollectorRegistry())
     th = worker.run_in_thread()
     rss: list[int] = []
     inflight: list[int] = []

@@ -57,11 +57,14 @@ from bench._common import machine_info, parse_csv, write_json
 from replay.datasets import bcontrast, tatoeba_pairs
 from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap
+from workers import reply_metadata
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
-from workers.engine.types import FinishReason, GenerationResult
+from workers.engine.types import FinishReason, GenerationResult, TranslationRequest
 from workers.faithful import leaked_example, length_ratio, ngram_loop
 from workers.faithful_engine import CANDIDATE_KEY, NOTE_KEY, FaithfulEngine
+from workers.serving.pipeline import ServingOptions, build_served_engine
+from workers.settings import Settings
 
 LANGUAGE_CAP = 256  # DEFAULT_MAX_NEW_TOKENS of workers/fairness/policy.py
 BEFORE_FORM = "support8"
@@ -128,17 +131,23 @@ def run_after(
     (variant `after:DEFAULT:RETRY`, e.g. an earlier round's forms on the same items)."""
     if forms is not None:
         engine.prompts.default_form, engine.prompts.retry_form = forms
-    guarded = FaithfulEngine(engine, default_max_new_tokens=LANGUAGE_CAP)
+    # the service's faithfulness stage alone, as the builder composes it (no cache)
+    served = build_served_engine(
+        engine, Settings(), ServingOptions(max_new_tokens=LANGUAGE_CAP), base=engine
+    )
+    guarded: FaithfulEngine = served.stage("faithful")
     engine.start()
     try:
         handles = [
-            guarded.submit_translation(
-                request_id=f"f{i}",
-                text=it.source,
-                source_lang=it.source_lang,
-                target_lang=it.target_lang,
-                max_new_tokens=LANGUAGE_CAP,
-            )
+            served.submit_translation(
+                TranslationRequest(
+                    f"f{i}",
+                    it.source,
+                    it.source_lang,
+                    it.target_lang,
+                    max_new_tokens=LANGUAGE_CAP,
+                )
+            )  # fmt: skip
             for i, it in enumerate(items)
         ]
         results: list[GenerationResult] = [h.result(timeout=3600) for h in handles]
@@ -147,7 +156,7 @@ def run_after(
     answers = [
         Answer(
             r.text,
-            r.notes.get("tolk.finish_reason", r.finish_reason.value),
+            r.notes.get(reply_metadata.FINISH_REASON, r.finish_reason.value),
             len(r.token_ids),
             guarded.length_cap(it.source, it.source_lang, it.target_lang),
             r.notes.get(NOTE_KEY) == "flagged",

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench._common import JSON, dump, machine_info, parse_csv, safe_ratio, summarize, write_json
+from workers.engine.types import TranslationRequest
 
 Item = tuple[str, str, str]  # (text, source_lang, target_lang)
 
@@ -209,12 +210,8 @@ def engine_alone(engine: Any, mix: Sequence[Item], max_new_tokens: int) -> JSON:
     t0 = time.perf_counter()
     handles = [
         engine.submit_translation(
-            request_id=f"eng-{run}-{i}",
-            text=text,
-            source_lang=src,
-            target_lang=tgt,
-            max_new_tokens=max_new_tokens,
-        )  # fmt: skip
+            TranslationRequest(f"eng-{run}-{i}", text, src, tgt, max_new_tokens=max_new_tokens)
+        )
         for i, (text, src, tgt) in enumerate(mix)
     ]
     results = [h.result(timeout=1800) for h in handles]
@@ -360,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workers.engine.engine import EngineConfig
     from workers.fairness.policy import LanguagePolicy
     from workers.serving.fair_engine import build_fair_engine
+    from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.settings import Settings
     from workers.worker import Worker
 
@@ -392,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         languages=langs, topic_prefix=prefix, metrics_port=0, worker_id="bench-worker",
         policies=policies,
     )  # fmt: skip
-    worker = Worker(settings, engine, registry=CollectorRegistry())
+    # the builder with no stage on: the fair engine's own cost (workers/serving/pipeline.py)
+    served = build_served_engine(engine, settings, ServingOptions(faithful=False))
+    worker = Worker(settings, served, registry=CollectorRegistry())
     stop = threading.Event()
     thread = worker.run_in_thread(stop)  # starts the engine's loop thread too
     replies = ReplyCollector(args.bootstrap, prefix + REPLIES)

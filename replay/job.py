@@ -44,8 +44,9 @@ from replay.pacing import Pacer, Planned, schedule, select_records
 from schemas.codec import encode_request
 from topics.admin import ensure_topics
 from topics.catalog import REQUEST_RETENTION_MS, TopicSpec, catalog, request_topic
+from workers.arms import MIRROR_METADATA_KEY
 
-MIRROR_KEY = "tolk.mirror"
+MIRROR_KEY = MIRROR_METADATA_KEY  # the arms' rule (workers/arms.py)
 RUN_KEY = "tolk.replay_run"
 REPLY_TOPIC_PREFIX = "tolk.replay."
 DEFAULT_LOG = "bcontrast_wmt20_chat/dev.json"

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from workers import reply_metadata
+
 MIN_LETTERS_FOR_LANGUAGE = 8
 OFF_TARGET_CONFIDENCE = 0.1
 TRUNCATED_RATIO = 0.4
@@ -125,7 +127,7 @@ def is_empty(text: str) -> bool:
 def is_truncated(source: str, text: str, metadata: Mapping[str, str] | None = None) -> bool:
     """Stopped at the token cap (when the reply says so) or cut short (see the module doc)."""
     meta = metadata or {}
-    if meta.get("tolk.finish_reason") in ("length", "length_guard"):  # the cap or the guard
+    if meta.get(reply_metadata.FINISH_REASON) in ("length", "length_guard"):  # the cap or the guard
         return True
     src = source.strip()
     return (

@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 
 from replay import quality, stats
+from workers import reply_metadata
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
 # reply metadata key of the faithfulness outcome (= workers.faithful_engine.NOTE_KEY; replay
 # reads replies and imports no worker code): an ERROR reply whose value is "withheld" is also
 # counted under status "withheld" (the worker kept an unfaithful text back)
-WITHHELD_KEY = "tolk.faithful"
+WITHHELD_KEY = reply_metadata.FAITHFUL
 PERCENTILES = (50, 95, 99)
 NOISE_SUFFIXES = ("'", "\u2032", "-copy", "_copy")
 

@@ -1,10 +1,11 @@
 """`CachingEngine`: a `TranslationEngine` that answers repeated texts from the exact-match cache.
 
-It wraps the engine the worker gets (outermost, so a hit skips every other wrapper too), in
-the pattern of `workers.protected_engine`. Per request (`submit_translation`, on the worker's
+Its place in the pipeline is workers/serving/pipeline.py's: around faithfulness, span
+protection and retrieved examples (a hit skips them), inside conversation context and drills.
+Per request (`submit_translation`, on the worker's
 poll thread):
 
-1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the wrappers
+1. The key (`workers.tm.cache_key`): engine fingerprint (model version, arm, the stages
    inside with their `key_note`s, runtime variant), prompt-set version, the engine's default
    prompt form, languages, normalized text. Texts longer than
    `max_text_chars` bypass the cache (straight to the engine, no note).
@@ -18,8 +19,9 @@ poll thread):
    it. When the run ends every participant gets its result under its own request id, noted
    `tolk.cache` = `miss` (the one whose id ran) or `joined` (tokens counted once: a joined
    answer reports none). A result that `workers.tm.cache_policy.is_cacheable` accepts (OK by a
-   stop rule, not flagged or retried by a wrapper) goes into L1 at once and into L2 through a
-   writer thread (`workers.tm.write_behind`: the engine's thread never waits on Redis).
+   stop rule, not flagged or retried by a stage: its declared fields) goes into L1 at once
+   and into L2 through a writer thread (`workers.tm.write_behind`: the engine's thread never
+   waits on Redis).
 4. A run that ended EXPIRED, REJECTED or CANCELLED does not speak for the joined requests (a
    later deadline, another cancel): those still live start a new flight among themselves. A
    failed run (ERROR) is passed to every participant: the worker's retry rules apply to each,
@@ -31,8 +33,8 @@ at once; the inner run is cancelled only when no participant is left.
 Counts: per target language, hits per tier, misses (inner runs), joins, L1 evictions, hit
 look-up time (`tolk_cache_*` once the worker binds its metrics, `bind_metrics`, and always in
 `CachingEngine.counts`); L2 outages in `tolk_cache_l2_degraded_total{op}` and
-`tolk_cache_l2_up`. `with_translation_cache(engine, settings)` is what the CLI calls
-(`tolk worker`, unless `--no-cache` / `TOLK_CACHE=0`).
+`tolk_cache_l2_up`. `tolk worker` turns it on unless `--no-cache` / `TOLK_CACHE=0`; the builder
+(workers/serving/pipeline.py) configures it from the settings.
 """
 
 from __future__ import annotations
@@ -43,25 +45,27 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from workers import reply_metadata as meta
 from workers.engine.types import (
     FinishReason,
     GenerationResult,
     RequestHandle,
     Timings,
     TranslationEngine,
+    TranslationRequest,
 )
 from workers.engine_wrapper import EngineWrapper
 from workers.tm.cache_key import CacheKey, cache_key
-from workers.tm.cache_policy import CACHE_NOTE, is_cacheable
+from workers.tm.cache_policy import is_cacheable
 from workers.tm.lru_k import LanguageLRUK
 from workers.tm.redis_cache import CacheBreaker, CacheUnavailable, TranslationStore
 from workers.tm.write_behind import WriteBehind
 
-__all__ = ["CachingEngine", "engine_fingerprint", "engine_prompt_form", "with_translation_cache"]
+__all__ = ["CachingEngine", "engine_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +87,12 @@ class _CacheMetrics(Protocol):
 class _Waiter:
     """One request waiting on a flight."""
 
-    request_id: str
+    request: TranslationRequest
     handle: RequestHandle  # what the worker holds
-    deadline: float | None
-    conversation_id: str | None = None  # passed on to the inner run this request starts
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(slots=True)
@@ -94,43 +100,23 @@ class _Flight:
     """One inner run and every request waiting for it."""
 
     key: CacheKey
-    text: str
-    source_lang: str
-    max_new_tokens: int | None
+    request: TranslationRequest  # the request that started it: its text and cap run
     run_id: str  # the request id the inner run goes under
     waiters: dict[str, _Waiter] = field(default_factory=dict)  # request id -> waiter
     inner: RequestHandle | None = None
     done: bool = False
 
 
-def engine_fingerprint(engine: TranslationEngine, variant: str = "") -> str:
-    """`<model version>|<wrapper>><wrapper>>...|<variant>`: what the key says about the
-    engine (the chain follows `.inner`, the wrappers' convention)."""
-    chain: list[str] = []
-    node: Any = engine
-    while node is not None and len(chain) < 16:
-        # a wrapper whose output depends on its own settings says so in `key_note` (the
-        # retrieved-examples wrapper: k and a digest of its TM, workers/tm_engine.py)
-        note = getattr(node, "__dict__", {}).get("key_note")
-        chain.append(type(node).__name__ + (f"[{note}]" if note else ""))
-        node = getattr(node, "__dict__", {}).get("inner")
-    return f"{engine.model_version}|{'>'.join(chain)}|{variant}"
-
-
-def engine_prompt_form(engine: TranslationEngine) -> str:
-    """The default prompt form of the engine at the end of the wrapper chain (an `Engine`'s
-    `prompts.default_form`, or that of the `Engine` a `FairEngine` holds); "" without one."""
-    node: Any = engine
-    for _ in range(16):
-        inner = getattr(node, "__dict__", {}).get("inner")
-        if inner is None:
-            break
-        node = inner
-    for candidate in (node, getattr(node, "engine", None)):
-        form = getattr(getattr(candidate, "prompts", None), "default_form", None)
-        if isinstance(form, str):
-            return form
-    return ""
+def engine_fingerprint(model_version: str, layers: Sequence[object], variant: str = "") -> str:
+    """`<model version>|<stage>><stage>>...|<variant>`: what the key says about the engine
+    below the cache; `layers`: the stages below it, outermost first, and the engine last (the
+    builder's list, workers/serving/pipeline.py). A stage whose output depends on its own
+    settings says so in its `key_note` (the retrieved-examples stage: k and a digest of its TM)."""
+    chain = []
+    for layer in layers:
+        note = layer.key_note if isinstance(layer, EngineWrapper) else ""
+        chain.append(type(layer).__name__ + (f"[{note}]" if note else ""))
+    return f"{model_version}|{'>'.join(chain)}|{variant}"
 
 
 class CachingEngine(EngineWrapper):
@@ -144,16 +130,20 @@ class CachingEngine(EngineWrapper):
         l1_shares: Mapping[str, float],
         l2: TranslationStore | None,
         prompt_set_version: str,
-        variant: str = "",
+        fingerprint: str = "",
+        prompt_form: str = "",
         max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
         l2_retry_after_s: float = 1.0,
         l2_patience_s: float = 0.0,
         metrics: _CacheMetrics | None = None,
     ) -> None:
+        """`fingerprint`: `engine_fingerprint` of what is below (default: `inner` alone);
+        `prompt_form`: the engine's default prompt form (an EngineConfig.prompt_form override
+        changes the answers)."""
         self.inner = inner
-        self.fingerprint = engine_fingerprint(inner, variant)
+        self.fingerprint = fingerprint or engine_fingerprint(inner.model_version, [inner])
         self.prompt_set_version = prompt_set_version
-        self.prompt_form = engine_prompt_form(inner)  # an EngineConfig.prompt_form override
+        self.prompt_form = prompt_form
         self.max_text_chars = max_text_chars
         self._metrics = metrics
         self.l1: LanguageLRUK[str] = LanguageLRUK(l1_capacity, l1_shares, self._evicted)
@@ -182,40 +172,23 @@ class CachingEngine(EngineWrapper):
         self._l2_writes.stop()
 
     def bind_metrics(self, metrics: _CacheMetrics) -> None:
-        """Count in the worker's `tolk_cache_*` from now on (and let the inner wrapper bind)."""
+        """Count in the worker's `tolk_cache_*` from now on."""
         self._metrics = metrics
         metrics.cache_l2_up.set(0 if self.l2 is None or self.l2.degraded else 1)
-        super().bind_metrics(metrics)
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Answer from L1 / L2, join the identical request in flight, or run the engine.
 
         The conversation id is not part of the key: only context-free requests come here (the
-        context engine sends a turn with history around the cache, `uncached`), and their
+        context stage sends a turn with history around the cache, `uncached`), and their
         answer does not depend on the conversation. It goes on to the inner run the request
         starts; a request that joins a flight shares that run, under the starter's id."""
         t0 = time.perf_counter()
+        request_id, text = request.request_id, request.text
+        source_lang, target_lang = request.source_lang, request.target_lang
         if len(text) > self.max_text_chars:
             self._count(target_lang, "bypass")
-            return self.inner.submit_translation(
-                request_id=request_id,
-                text=text,
-                source_lang=source_lang,
-                target_lang=target_lang,
-                deadline=deadline,
-                max_new_tokens=max_new_tokens,
-                conversation_id=conversation_id,
-            )
+            return self.inner.submit_translation(request)
         key = cache_key(
             engine_fingerprint=self.fingerprint,
             prompt_set_version=self.prompt_set_version,
@@ -227,9 +200,7 @@ class CachingEngine(EngineWrapper):
         cached = self.l1.get(target_lang, key)
         if cached is not None:
             return self._hit(request_id, key, cached, "l1", t0)
-        waiter = _Waiter(
-            request_id, RequestHandle(request_id, self._cancel), deadline, conversation_id
-        )
+        waiter = _Waiter(request, RequestHandle(request_id, self._cancel))
         if self._join(key, waiter):
             return waiter.handle
         if self.l2 is not None:
@@ -240,7 +211,7 @@ class CachingEngine(EngineWrapper):
             if cached is not None:
                 self.l1.put(target_lang, key, cached)
                 return self._hit(request_id, key, cached, "l2", t0)
-        flight = _Flight(key, text, source_lang, max_new_tokens, request_id)
+        flight = _Flight(key, request, request_id)
         self._fly(flight, waiter)
         return waiter.handle
 
@@ -258,7 +229,8 @@ class CachingEngine(EngineWrapper):
                 text=text,
                 finish_reason=FinishReason.STOP,
                 timings=Timings(total_s=elapsed),
-                notes={CACHE_NOTE: tier},
+                notes={meta.CACHE: tier},
+                cache_tier=tier,
             )
         )
         self._count(key.target_lang, tier)
@@ -299,13 +271,12 @@ class CachingEngine(EngineWrapper):
             self._metrics.cache_misses_total.labels(lang=lang).inc()
         try:
             inner = self.inner.submit_translation(
-                request_id=flight.run_id,
-                text=flight.text,
-                source_lang=flight.source_lang,
-                target_lang=lang,
-                deadline=waiter.deadline,
-                max_new_tokens=flight.max_new_tokens,
-                conversation_id=waiter.conversation_id,
+                dataclasses.replace(
+                    flight.request,
+                    request_id=flight.run_id,
+                    deadline=waiter.request.deadline,
+                    conversation_id=waiter.request.conversation_id,
+                )
             )
         except Exception as exc:
             others = self._land(flight)
@@ -354,16 +325,14 @@ class CachingEngine(EngineWrapper):
         now = time.monotonic()
         live = []
         for w in waiters:
-            if w.deadline is not None and now >= w.deadline:
+            if w.request.deadline is not None and now >= w.request.deadline:
                 w.handle.set_result(_answer(result, w.request_id, "joined"))
             else:
                 live.append(w)
         if not live:
             return
         first, rest = live[0], live[1:]
-        again = _Flight(
-            flight.key, flight.text, flight.source_lang, flight.max_new_tokens, first.request_id
-        )
+        again = _Flight(flight.key, flight.request, first.request_id)
         try:
             self._fly(again, first)
         except Exception as exc:
@@ -432,13 +401,14 @@ _NOT_FOR_THE_OTHERS = (FinishReason.EXPIRED, FinishReason.REJECTED, FinishReason
 def _answer(result: GenerationResult, request_id: str, how: str) -> GenerationResult:
     """`result` for one participant: its own id, the cache note; a joined one reports no
     tokens (the run's tokens are counted once, on the request that ran it)."""
-    notes = {**result.notes, CACHE_NOTE: how}
+    notes = {**result.notes, meta.CACHE: how}
     if how == "miss":
-        return dataclasses.replace(result, request_id=request_id, notes=notes)
+        return dataclasses.replace(result, request_id=request_id, notes=notes, cache_tier=how)
     return dataclasses.replace(
         result,
         request_id=request_id,
         notes=notes,
+        cache_tier=how,
         token_ids=[],
         tokens_in=0,
         tokens_out=0,
@@ -452,33 +422,3 @@ def _cancelled(request_id: str) -> GenerationResult:
 
 def _failed(request_id: str, error: str) -> GenerationResult:
     return GenerationResult(request_id, [], "", FinishReason.ERROR, error=error)
-
-
-def with_translation_cache(
-    engine: TranslationEngine,
-    settings: Any,
-    *,
-    variant: str = "",
-    l2: TranslationStore | None = None,
-) -> CachingEngine:
-    """`engine` behind the exact-match cache as `settings` configure it (`tolk worker`):
-    L1 of `cache_l1_entries` shared equally by `settings.languages`, L2 in the Redis of
-    `redis_url` with the `cache_ttl` tiers (unless `l2` is given). The arm and `variant`
-    (e.g. "int8") go into the engine fingerprint."""
-    from workers.engine.prompts import prompt_set_version
-    from workers.tm.redis_cache import RedisTranslationCache
-
-    if l2 is None:
-        l2 = RedisTranslationCache(
-            settings.redis_url, settings.cache_ttl, socket_timeout_s=settings.store_timeout_s
-        )
-    arm = f"arm={settings.arm}" if settings.arm else ""
-    return CachingEngine(
-        engine,
-        l1_capacity=settings.cache_l1_entries,
-        l1_shares={lang: 1.0 for lang in settings.languages},
-        l2=l2,
-        prompt_set_version=prompt_set_version(),
-        variant=",".join(v for v in (arm, variant) if v),
-        l2_patience_s=settings.store_patience_s,
-    )

@@ -363,18 +363,17 @@ def worker(
     engine = build_fair_engine(
         selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
     )
-    from workers.engine_chain import ChainOptions, compose_served
+    from workers.serving.pipeline import ServingOptions, build_served_engine
 
     final = selection.config  # the translation cache keeps each weight format's answers apart
     dtype_part = f",dtype={final.dtype}" if final.dtype else ""
     cache_variant = f"quantize={final.quantize or ''}{dtype_part}"
 
-    # the wrappers' order (which one sees which request) is workers/engine_chain.py's
-    served = compose_served(
+    # the stages and their order (which one sees which request): workers/serving/pipeline.py
+    served = build_served_engine(
         engine,
-        engine.engine if context else None,  # the prompt builder, for the context engine
         settings,
-        ChainOptions(
+        ServingOptions(
             retriever=retriever,
             faithful=faithful_checks,
             faithful_policy=faithful_policy,

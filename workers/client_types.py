@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers import reply_metadata
+
 __all__ = [
     "TranslationError",
     "TranslationFailed",
@@ -106,9 +108,9 @@ class TranslationReply:
     def withheld(self) -> str | None:
         """The candidate translation the faithfulness checks withheld (an ERROR reply; the
         error says which checks), else None."""
-        if self.metadata.get("tolk.faithful") != "withheld":
+        if self.metadata.get(reply_metadata.FAITHFUL) != "withheld":
             return None
-        return self.metadata.get("tolk.faithful.candidate", "")
+        return self.metadata.get(reply_metadata.FAITHFUL_CANDIDATE, "")
 
     @classmethod
     def from_record(cls, r: Mapping[str, Any], trace_parent: str | None = None) -> TranslationReply:

@@ -2,33 +2,33 @@
 prompt (issue #15, part 3; an arm option, off by default: `tolk worker --context`).
 
 The history itself, its token budget and the growing-prefix layout are `workers/context.py`;
-this wrapper puts them on the request path. It wraps every other wrapper but a drill
-(`workers/engine_chain.py`, the drill must change every reply of its arm), because it acts on
-the request's `conversation_id` (which the worker passes to every engine: the protocol's
-`submit_translation` takes it) and because it decides which requests may see the cache:
+this stage puts them on the request path. It wraps every other stage but a drill
+(`workers/serving/pipeline.py`, the drill must change every reply of its arm), because it acts
+on the request's `conversation_id` (a field of the `TranslationRequest` every stage passes on)
+and because it decides which requests may see the cache:
 
-1. `submit_translation(..., conversation_id=...)`: the turn gets its place in the order spoken
-   and the conversation's history ids (`ConversationMemory.begin_turn`). No conversation id, or
-   no history known here: the turn goes on as a context-free request through the wrappers it
-   wraps (`inner`, the exact-match cache included: its answer is context-free, so the cache
-   may answer and keep it).
+1. `submit_translation(request)` with a `conversation_id`: the turn gets its place in the
+   order spoken and the conversation's history ids (`ConversationMemory.begin_turn`). No
+   conversation id, or no history known here: the turn goes on as a context-free request
+   through the stages it wraps (`inner`, the exact-match cache included: its answer is
+   context-free, so the cache may answer and keep it).
 2. With history, the turn is *contextual*: it bypasses the exact-match cache (the same text in
    another conversation can translate differently, so a context-free entry must not answer it
    and its answer must not become one) by going to `uncached`, the chain the cache wraps (the
-   faithfulness guard and span protection still apply). Its history ids wait under its
-   request id until the base engine builds the prompt: the engine's `prompt_history` hook
-   (installed here) puts them between the language prefix and the query. A prompt in another
-   prompt form (the faithfulness retry, under its own request id) gets no history.
+   faithfulness guard and span protection still apply). Its history ids go down in the
+   request's `history` field, which the engine puts between the language prefix and the
+   query. A stage's rerun (the faithfulness retry in its other prompt form, the unmasked
+   retry) goes without them (`workers.serving.retry.RetryJob.rerun`).
 3. A contextual answer that copies one of the history's turns (a translation given earlier,
    or the other speaker's words: `workers.faithful.leaked_example` with the history turns as
    the examples) while the turn is not that turn's source is the model continuing the
    conversation instead of translating: the turn runs once more without history (through
-   `inner`, request id + `~nohistory`), and that answer is the reply (note
-   `tolk.context.retry`, count `history_leak`). The check runs on what the wrappers inside
+   `inner`, request id + `~nohistory`, a `RetryJob` rerun), and that answer is the reply (note
+   `tolk.context.retry`, count `history_leak`). The check runs on what the stages inside
    gave, after their own checks and retries.
 4. When the turn's translation is given (the handle resolves OK), it is recorded as history:
    its query, and the engine's own generated ids when they are the answer given (else the
-   answer's text, e.g. a cache hit, or spans restored by the protection wrapper), so the next
+   answer's text, e.g. a cache hit, or spans restored by the protection stage), so the next
    turn of the same target language extends this prompt and hits its KV blocks in the prefix
    cache (`workers/context.py`, "Growing prefix"). A failed, expired or cancelled turn is not
    recorded; the conversation goes on without it.
@@ -44,42 +44,37 @@ Counts (`counts`): `contextual` (history in the prompt), `no_history`, `no_conve
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from workers import reply_metadata as meta
 from workers.context import (
-    DEFAULT_BUDGET_TOKENS,
-    DEFAULT_IDLE_S,
-    DEFAULT_LAYOUT,
     ConversationMemory,
     RecordedTurn,
     render_turn,
 )
-from workers.engine.types import GenerationResult, RequestHandle, TranslationEngine
+from workers.engine.types import (
+    GenerationResult,
+    RequestHandle,
+    TranslationEngine,
+    TranslationRequest,
+)
 from workers.engine_wrapper import EngineWrapper, merged_runs
 from workers.faithful import leaked_example
+from workers.serving.retry import RetryJob
 
 __all__ = [
     "CONTEXT_NOTE",
     "NO_HISTORY_SUFFIX",
     "RETRY_NOTE",
     "ContextEngine",
-    "with_conversation_context",
 ]
 
-CONTEXT_NOTE = "tolk.context"  # reply metadata: "turns=N" history turns in the prompt
-RETRY_NOTE = "tolk.context.retry"  # reply metadata: why the turn ran again without history
+CONTEXT_NOTE = meta.CONTEXT  # the reply metadata keys of this stage (workers/reply_metadata.py)
+RETRY_NOTE = meta.CONTEXT_RETRY
 NO_HISTORY_SUFFIX = "~nohistory"  # inner request id of that run
-
-
-class PromptEngine(Protocol):
-    """The base engine (`workers.engine.engine.Engine`): its prompt builder and the hook that
-    gives a request's prompt its history ids."""
-
-    prompts: Any  # workers.engine.prompts.PromptBuilder
-    prompt_history: Any  # Callable[[str, str | None], Sequence[int] | None] | None
 
 
 class ContextEngine(EngineWrapper):
@@ -89,130 +84,76 @@ class ContextEngine(EngineWrapper):
         self,
         inner: TranslationEngine,
         *,
-        base: PromptEngine,
+        prompts: Any,
         memory: ConversationMemory,
         uncached: TranslationEngine | None = None,
     ) -> None:
-        """`inner`: every wrapper below this one; `uncached`: the chain below the exact-match
-        cache (contextual turns go there; default `inner`); `base`: the engine that builds
-        the prompts, whose `prompt_history` hook this installs."""
+        """`inner`: every stage below this one; `uncached`: the stages below the exact-match
+        cache (contextual turns go there; default `inner`); `prompts`: the engine's prompt
+        builder (`workers.engine.prompts.PromptBuilder`: its tokenizer renders a turn)."""
         self.inner = inner
         self.uncached = uncached if uncached is not None else inner
-        self.base = base
-        self.prompts = base.prompts
+        self.prompts = prompts
         self.memory = memory
-        self._lock = threading.Lock()
-        self._pending: dict[str, list[int]] = {}  # request id -> its prompt's history ids
         self.counts: Counter[str] = Counter()
         self._metrics: Any = None  # the worker's, once bound: tolk_context_turns_total
-        base.prompt_history = self.history_for
 
     def bind_metrics(self, metrics: Any) -> None:
-        """Count in the worker's `tolk_context_turns_total` from now on, and pass the metrics
-        on to the wrappers inside that count too."""
+        """Count in the worker's `tolk_context_turns_total` from now on."""
         self._metrics = metrics
-        super().bind_metrics(metrics)  # the cached chain
-        if self.uncached is not self.inner:  # and the one contextual turns take
-            bind_uncached = getattr(self.uncached, "bind_metrics", None)
-            if callable(bind_uncached):
-                bind_uncached(metrics)
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
         if self._metrics is not None:
             self._metrics.context_turns_total.labels(outcome=outcome).inc()
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Queue one turn; with a known conversation history, in context (module notes)."""
+        conversation_id = request.conversation_id
         if not conversation_id:
             self._count("no_conversation")
-            return self.inner.submit_translation(
-                request_id=request_id,
-                text=text,
-                source_lang=source_lang,
-                target_lang=target_lang,
-                deadline=deadline,
-                max_new_tokens=max_new_tokens,
-            )
-        start = self.memory.begin_turn(conversation_id, source_lang, target_lang)
-        target = self.inner
-        # the id goes inward too: harmless, every wrapper inside passes it on or ignores it
-        # (the cache does not key on it), and the engine ignores it (history comes by the hook)
-        if start.history_ids:
-            with self._lock:
-                self._pending[request_id] = start.history_ids
+            return self.inner.submit_translation(request)
+        r = request
+        start = self.memory.begin_turn(conversation_id, r.source_lang, r.target_lang)
+        target, first = self.inner, request
+        if start.history_ids:  # the history goes between the prefix and the query
             target = self.uncached
+            first = dataclasses.replace(request, history=tuple(start.history_ids))
         self._count("contextual" if start.turns else "no_history")
-
-        def submit(engine: TranslationEngine, rid: str) -> RequestHandle:
-            return engine.submit_translation(
-                request_id=rid,
-                text=text,
-                source_lang=source_lang,
-                target_lang=target_lang,
-                deadline=deadline,
-                max_new_tokens=max_new_tokens,
-                conversation_id=conversation_id,
-            )
-
-        try:
-            handle = submit(target, request_id)
-        finally:
-            with self._lock:  # the prompt is built inside submit: the ids are used or never
-                self._pending.pop(request_id, None)
-        seq, turns = start.seq, start.turns
         # The caller's handle resolves only once the turn is recorded: a future's waiters may
         # run before its callbacks, and the conversation's next turn must see this one.
-        running = [handle]  # the run the caller's cancel reaches (the retry, once it runs)
-        cancelled = threading.Event()  # the caller cancelled: no retry starts after that
-
-        def cancel(_rid: str) -> None:
-            cancelled.set()
-            running[-1].cancel()
-
-        outer = RequestHandle(request_id, cancel)
+        job = RetryJob(request)
 
         def finish(result: GenerationResult, retry_note: str | None = None) -> None:
             try:
-                self._record(conversation_id, seq, text, source_lang, target_lang, result)
-                if turns and isinstance(result.notes, dict):
-                    result.notes.setdefault(CONTEXT_NOTE, f"turns={turns}")
+                self._record(
+                    conversation_id, start.seq, r.text, r.source_lang, r.target_lang, result
+                )
+                if start.turns and isinstance(result.notes, dict):
+                    result.notes.setdefault(CONTEXT_NOTE, f"turns={start.turns}")
                     if retry_note:
                         result.notes[RETRY_NOTE] = retry_note
             finally:
-                outer.set_result(result)
+                job.resolve(result)
 
         def on_done(result: GenerationResult) -> None:  # engine thread (or now, for a hit)
-            copied = self._copied_turn(text, target_lang, result, start.shown)
-            if copied is None or cancelled.is_set():
+            copied = self._copied_turn(r.text, r.target_lang, result, start.shown)
+            if copied is None or job.cancelled:
                 finish(result)
                 return
             self._count("history_leak")
-            why = f"history_leak: copied turn {copied} of {turns}; retried without history"
-            try:  # under another request id, which has no pending history ids
-                again = submit(self.inner, request_id + NO_HISTORY_SUFFIX)
+            why = f"history_leak: copied turn {copied} of {start.turns}; retried without history"
+            try:  # through everything inside, the cache included, without the history
+                job.rerun(
+                    self.inner,
+                    NO_HISTORY_SUFFIX,
+                    lambda second: finish(_rerun(merged_runs(result, second, r.request_id)), why),
+                )
             except Exception as exc:  # the engine is stopping: the answer we have
                 finish(result, f"{why} failed: {type(exc).__name__}: {exc}")
-                return
-            running.append(again)
-            again.add_done_callback(
-                lambda second: finish(merged_runs(result, second, request_id), why)
-            )
-            if cancelled.is_set():  # cancel() raced with the submit above
-                again.cancel()
 
-        handle.add_done_callback(on_done)
-        return outer
+        job.run(target, on_done, first)
+        return job.handle
 
     @staticmethod
     def _copied_turn(
@@ -224,14 +165,6 @@ class ContextEngine(EngineWrapper):
         turns = [{t.source_lang: t.source_text, t.target_lang: t.translation} for t in shown]
         at = leaked_example(text, result.text, turns, target_lang)
         return None if at is None else at + 1
-
-    def history_for(self, request_id: str, prompt_form: str | None) -> Sequence[int] | None:
-        """The base engine's `prompt_history` hook: the history ids of a contextual request
-        being built now, in the default prompt form only."""
-        if prompt_form is not None and prompt_form != self.prompts.default_form:
-            return None
-        with self._lock:
-            return self._pending.get(request_id)
 
     def _record(
         self,
@@ -263,15 +196,6 @@ class ContextEngine(EngineWrapper):
         return list(result.token_ids) if shown == result.text else None
 
 
-def with_conversation_context(
-    served: TranslationEngine,
-    *,
-    base: PromptEngine,
-    uncached: TranslationEngine | None = None,
-    budget_tokens: int = DEFAULT_BUDGET_TOKENS,
-    idle_s: float = DEFAULT_IDLE_S,
-    layout: str = DEFAULT_LAYOUT,
-) -> ContextEngine:
-    """`served` with conversation context (what `tolk worker --context` builds)."""
-    memory = ConversationMemory(budget_tokens, idle_s=idle_s, layout=layout)
-    return ContextEngine(served, base=base, memory=memory, uncached=uncached)
+def _rerun(merged: GenerationResult) -> GenerationResult:
+    """The answer of the run without history, counted as a rerun (never cached)."""
+    return dataclasses.replace(merged, retries=merged.retries + 1)

@@ -154,15 +154,16 @@ def main(
 
     from prometheus_client import CollectorRegistry
 
-    from workers.faithful_engine import faithful
+    from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.worker import Worker
 
     settings = settings.replace(policies=_demo_policies(settings, langs))
     # the service's faithfulness guards, as `tolk worker` runs them (an answer still suspect
-    # after a retry is withheld: an ERROR reply with the candidate in its metadata)
-    worker = Worker(
-        settings, faithful(engine, default_max_new_tokens=64), registry=CollectorRegistry()
+    # after a retry is withheld: an ERROR reply with the candidate in its metadata); no cache
+    served = build_served_engine(
+        engine, settings, ServingOptions(faithful=True, max_new_tokens=64), base=engine
     )
+    worker = Worker(settings, served, registry=CollectorRegistry())
     stop = threading.Event()
     thread = worker.run_in_thread(stop)
     topics = f"{DEMO_PREFIX}tolk.requests.{{{','.join(langs)}}}"

@@ -5,8 +5,8 @@ An arm option that is off unless a flag whose name says what it does is given:
     tolk worker --arm v2 --drill-inject-latency de:1.0:3000   # every German reply 3 s later
     tolk worker --arm v2 --drill-inject-errors fr:0.2          # a fifth of French runs fail
 
-It wraps the engine the worker gets (the pattern of `workers/protected_engine.py`), outermost:
-around the cache and the context engine (`workers/engine_chain.py`), so a cache hit and a turn
+It is the outermost stage (workers/serving/pipeline.py): around the cache and the context
+stage, so a cache hit and a turn
 with history are drilled like any other reply of the arm. A request of a drilled language is
 hit when its bucket (`workers.arms.bucket` of the request id, so the same request is hit on
 every run and every redelivery) is below the fraction. A latency hit
@@ -28,15 +28,22 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers import reply_metadata as meta
 from workers.arms import bucket
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationEngine
+from workers.engine.types import (
+    FinishReason,
+    GenerationResult,
+    RequestHandle,
+    TranslationEngine,
+    TranslationRequest,
+)
 from workers.engine_wrapper import EngineWrapper
 
-__all__ = ["DRILL_NOTE_KEY", "DrillEngine", "DrillFault", "parse_drill", "with_drills"]
+__all__ = ["DRILL_NOTE_KEY", "DrillEngine", "DrillFault", "parse_drill"]
 
 log = logging.getLogger(__name__)
 
-DRILL_NOTE_KEY = "tolk.drill"
+DRILL_NOTE_KEY = meta.DRILL  # the reply metadata key (workers/reply_metadata.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,27 +96,10 @@ class DrillEngine(EngineWrapper):
             )
         self.inner.start()
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
-        inner = self.inner.submit_translation(
-            request_id=request_id,
-            text=text,
-            source_lang=source_lang,
-            target_lang=target_lang,
-            deadline=deadline,
-            max_new_tokens=max_new_tokens,
-            conversation_id=conversation_id,
-        )
-        faults = [f for f in self.faults if f.hits(target_lang, request_id)]
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        inner = self.inner.submit_translation(request)
+        request_id = request.request_id
+        faults = [f for f in self.faults if f.hits(request.target_lang, request_id)]
         if not faults:
             return inner
         handle = RequestHandle(request_id, lambda _rid: inner.cancel())
@@ -139,13 +129,3 @@ class DrillEngine(EngineWrapper):
             timer.start()
         else:
             handle.set_result(result)
-
-
-def with_drills(
-    engine: TranslationEngine, latency: Sequence[str] = (), errors: Sequence[str] = ()
-) -> TranslationEngine:
-    """`engine` unchanged without drills, else wrapped (`tolk worker --drill-inject-*`)."""
-    faults = [parse_drill("latency", s) for s in latency] + [
-        parse_drill("error", s) for s in errors
-    ]
-    return DrillEngine(engine, faults) if faults else engine

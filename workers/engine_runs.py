@@ -36,6 +36,7 @@ from workers.engine.types import (
     GenerationResult,
     RequestHandle,
     TranslationEngine,
+    TranslationRequest,
     UnsupportedLanguage,
 )
 from workers.metrics import WorkerMetrics
@@ -93,14 +94,16 @@ class EngineRuns:
         policy = self.settings.policy(rec.lang)
         try:
             handle = self.engine.submit_translation(
-                request_id=rid,
-                text=str(req["text"]),
-                source_lang=str(req.get("source_lang", "")),
-                target_lang=str(req["target_lang"]),
-                deadline=deadline,
-                max_new_tokens=policy.max_new_tokens if policy else None,
-                # every engine takes it; one that keeps context uses it (context_engine.py)
-                conversation_id=req.get("conversation_id") or None,
+                TranslationRequest(
+                    request_id=rid,
+                    text=str(req["text"]),
+                    source_lang=str(req.get("source_lang", "")),
+                    target_lang=str(req["target_lang"]),
+                    deadline=deadline,
+                    max_new_tokens=policy.max_new_tokens if policy else None,
+                    # every stage passes it on; the context stage uses it (context_engine.py)
+                    conversation_id=req.get("conversation_id") or None,
+                )
             )
         except Exception as exc:
             unsupported = isinstance(exc, UnsupportedLanguage)

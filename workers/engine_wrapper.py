@@ -1,13 +1,17 @@
-"""`EngineWrapper`: the pass-through half of a `TranslationEngine` that wraps another.
+"""`EngineWrapper`: the pass-through half of a serving stage, a `TranslationEngine` that wraps
+another.
 
-The worker's engine wrappers (`protected_engine`, `faithful_engine`, `cache_engine`,
-`drill_engine`, `tm_engine`, `context_engine`) each change how a request is submitted and
-answered; everything else is the inner engine's. A subclass sets `self.inner` and implements
-`submit_translation`; it overrides `start` / `stop` only to add its own work around the inner
-engine's, and `bind_metrics` only to keep the worker's metrics for its own counters before
-passing them on (`super().bind_metrics`): the worker binds the outermost engine, and the
-binding reaches every wrapper of the chain. A wrapper that runs a request twice (a retry)
-answers with `merged_runs`: the second run's answer carrying the work of both.
+The serving stages (`protected_engine`, `faithful_engine`, `cache_engine`, `drill_engine`,
+`tm_engine`, `context_engine`) each change how a request is submitted and answered; the
+builder, workers/serving/pipeline.py, composes them in its declared order and is the only
+place that constructs one. A subclass sets `self.inner` and implements
+`submit_translation(request)`; it overrides `start` / `stop` only to add its own work around
+the inner engine's. Nothing else of the inner engine shows through: the builder's
+`ServedEngine` gives the worker what it reads of the engine (its queue, stats, heartbeat)
+explicitly. `bind_metrics` keeps the worker's metrics for the stage's own counters; the
+`ServedEngine` calls it on every stage. A stage that runs a request twice (a retry) does so
+through `workers.serving.retry.RetryJob` and answers with `merged_runs`: the second run's
+answer carrying the work of both.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ __all__ = ["EngineWrapper", "merged_runs"]
 def merged_runs(
     first: GenerationResult, second: GenerationResult, request_id: str
 ) -> GenerationResult:
-    """`second` under `request_id`, carrying the work of both runs (tokens and times summed;
-    the queue time is the first run's)."""
+    """`second` under `request_id`, carrying the work of both runs (tokens, times and the
+    reruns of stages inside summed; the queue time is the first run's)."""
     t1, t2 = first.timings, second.timings
     return dataclasses.replace(
         second,
@@ -32,6 +36,7 @@ def merged_runs(
         tokens_in=first.tokens_in + second.tokens_in,
         tokens_out=first.tokens_out + second.tokens_out,
         cached_tokens=first.cached_tokens + second.cached_tokens,
+        retries=first.retries + second.retries,
         timings=Timings(
             queue_s=t1.queue_s,
             prefill_s=t1.prefill_s + t2.prefill_s,
@@ -42,10 +47,12 @@ def merged_runs(
 
 
 class EngineWrapper:
-    """Model version, languages, token counts, start and stop of the inner engine; any other
-    attribute (stats, the fair queue, `stats_snapshot`) is looked up on it too."""
+    """Model version, languages, token counts, start and stop of the inner engine."""
 
     inner: TranslationEngine
+    # what the stage's answers depend on besides its kind, for the cache's key (the
+    # retrieved-examples stage: k and a digest of its TM); "" for most stages
+    key_note: str = ""
 
     @property
     def model_version(self) -> str:
@@ -65,14 +72,4 @@ class EngineWrapper:
         self.inner.stop(drain=drain, timeout=timeout)
 
     def bind_metrics(self, metrics: Any) -> None:
-        """Pass the worker's metrics on to the inner engine, if it counts anything."""
-        bind_inner = getattr(self.inner, "bind_metrics", None)
-        if callable(bind_inner):
-            bind_inner(metrics)
-
-    def __getattr__(self, name: str) -> Any:
-        # only for names the wrapper lacks; `inner` itself may not be set yet (copy, pickle)
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
+        """Keep the worker's metrics for the stage's own counters (none here)."""

@@ -13,7 +13,7 @@ Flow of one request:
    cap, with the template's retry form (`prompts.json` `retry_form`, `short_mix8` for both
    templates: for Gemma 3 another example set, so not the same example to copy; for SmolLM2
    the same examples without the per-turn instruction of its default; zero-shot made the base
-   model copy or answer the source, docs/PROMPTS.md), if the inner engine takes `prompt_form`.
+   model copy or answer the source, docs/PROMPTS.md; the builder passes it: `retry_form`).
    A clean retry is the answer (outcome `retried`); otherwise the better of the two (fewer and
    milder problems; a leak is the worst) is what the policy handles. Without retries
    (`retry=False`) a suspect answer goes to the policy at once.
@@ -38,31 +38,34 @@ binds its metrics: `tolk_faithful_checks_total{lang, check}` (each detector firi
 run) and `tolk_faithful_outcomes_total{lang, outcome}`; always in `FaithfulEngine.checks` and
 `.outcomes`.
 
-Compose it innermost, right around the engine (`faithful(engine)` in `tolk worker`, before
-`--protect-spans` wraps it): its retry asks the inner engine for another prompt form, which only
-the engine itself offers. A failed run (ERROR, EXPIRED, CANCELLED) passes through unchanged.
-Callbacks run on the inner engine's thread: a few string comparisons and at most one submit.
+Its place in the pipeline is workers/serving/pipeline.py's: inside span protection and the
+cache, outside retrieved examples (the retry gets the same examples). Its rerun is a
+`workers.serving.retry.RetryJob`'s (one shape for the three stages that retry). A failed run
+(ERROR, EXPIRED, CANCELLED) passes through unchanged. Callbacks run on the inner engine's
+thread: a few string comparisons and at most one submit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from workers import reply_metadata as meta
 from workers.engine.prompts import prompt_examples
 from workers.engine.types import (
     FinishReason,
     GenerationResult,
     RequestHandle,
     TranslationEngine,
+    TranslationRequest,
 )
 from workers.engine_wrapper import EngineWrapper, merged_runs
 from workers.faithful import Check, LengthCaps, check
+from workers.serving.retry import RetryJob
 
 __all__ = [
     "CANDIDATE_KEY",
@@ -72,16 +75,15 @@ __all__ = [
     "OUTCOMES",
     "POLICIES",
     "FaithfulEngine",
-    "faithful",
 ]
 
-NOTE_KEY = "tolk.faithful"  # metadata key of the outcome on a suspect answer's reply
-FINISH_REASON_KEY = "tolk.finish_reason"  # = workers.replies.FINISH_REASON_KEY
+NOTE_KEY = meta.FAITHFUL  # the reply metadata keys of this stage (workers/reply_metadata.py)
+FINISH_REASON_KEY = meta.FINISH_REASON
 GUARD_REASON = "length_guard"  # its value on an answer stopped at the guard's cap
 CHECKS = ("leak", "ratio", "loop", "length_guard")
 OUTCOMES = ("retried", "flagged", "withheld")
 POLICIES = ("withhold", "flag")  # what happens to an answer still suspect after the retry
-CANDIDATE_KEY = "tolk.faithful.candidate"  # metadata key of a withheld answer's text
+CANDIDATE_KEY = meta.FAITHFUL_CANDIDATE
 RETRY_SUFFIX = "~faithful"  # inner request id of the retry
 DEFAULT_MAX_NEW_TOKENS = 256  # the engine's default cap when a request names none
 _SEVERITY = {"leak": 4, "loop": 2, "length_guard": 2, "ratio": 1}
@@ -92,21 +94,11 @@ class _FaithfulMetrics(Protocol):
     faithful_outcomes_total: Any  # a prometheus Counter labelled (lang, outcome)
 
 
-@dataclass
-class _Job:
-    """One request in flight."""
+@dataclass(frozen=True, slots=True)
+class _Guard:
+    """What the stage keeps about one request (its `RetryJob.state`)."""
 
-    request_id: str
-    text: str
-    source_lang: str
-    target_lang: str
-    deadline: float | None
-    cap: int  # max_new_tokens the inner engine runs with
     guard_binding: bool  # the length guard's cap is tighter than the language's max_new_tokens
-    handle: RequestHandle  # what the caller holds
-    conversation_id: str | None = None
-    inner: RequestHandle | None = None  # the inner run now in flight
-    cancelled: bool = False
 
 
 class FaithfulEngine(EngineWrapper):
@@ -131,132 +123,79 @@ class FaithfulEngine(EngineWrapper):
         self.caps = caps if caps is not None else LengthCaps.packaged()
         self.tokenizer_key = self.caps.for_model(inner.model_version)
         self.examples = list(examples) if examples is not None else prompt_examples()
-        params = inspect.signature(inner.submit_translation).parameters
-        self.retry_form = retry_form or _retry_form_of(inner)
-        # a retry needs another prompt form, which only an engine taking `prompt_form` gives
-        self.retry = retry and "prompt_form" in params and self.retry_form is not None
+        # the template's retry form (the builder passes the engine's `prompts.retry_form`):
+        # without one there is no other prompt to retry in, and a suspect answer goes to the
+        # policy at once
+        self.retry_form = retry_form
+        self.retry = retry and retry_form is not None
         self.default_max_new_tokens = default_max_new_tokens
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
         self.checks: Counter[tuple[str, str]] = Counter()  # (lang, check) -> count
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
 
     # -- TranslationEngine -------------------------------------------------------------------
 
     def bind_metrics(self, metrics: _FaithfulMetrics) -> None:
-        """Count in the worker's `tolk_faithful_*` counters from now on (and pass the metrics
-        on to an inner wrapper that counts too)."""
+        """Count in the worker's `tolk_faithful_*` counters from now on."""
         self._metrics = metrics
-        super().bind_metrics(metrics)
 
     def length_cap(self, text: str, source_lang: str, target_lang: str) -> int:
         """The length guard's cap of output tokens for this source."""
         cap = self.caps.cap(self.tokenizer_key, source_lang, target_lang)
         return cap.tokens(self.inner.count_tokens(text))
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Queue one translation under the length guard; its answer is checked when done."""
-        requested = max_new_tokens or self.default_max_new_tokens
-        guard = self.length_cap(text, source_lang, target_lang)
-        job = _Job(
-            request_id,
-            text,
-            source_lang,
-            target_lang,
-            deadline,
-            cap=min(guard, requested),
-            guard_binding=guard < requested,
-            handle=RequestHandle(request_id, self._cancel),
-            conversation_id=conversation_id,
-        )
-        with self._lock:
-            self._jobs[request_id] = job
-        try:
-            job.inner = self.inner.submit_translation(
-                request_id=request_id,
-                text=text,
-                source_lang=source_lang,
-                target_lang=target_lang,
-                deadline=deadline,
-                max_new_tokens=job.cap,
-                conversation_id=conversation_id,
-            )
-        except Exception:
-            with self._lock:
-                self._jobs.pop(request_id, None)
-            raise
-        job.inner.add_done_callback(lambda result: self._on_first(job, result))
+        requested = request.max_new_tokens or self.default_max_new_tokens
+        guard = self.length_cap(request.text, request.source_lang, request.target_lang)
+        capped = dataclasses.replace(request, max_new_tokens=min(guard, requested))
+        job = RetryJob(capped, _Guard(guard_binding=guard < requested))
+        job.run(self.inner, lambda result: self._on_first(job, result))
         return job.handle
 
     # -- the two runs ---------------------------------------------------------------------------
 
-    def _check(self, job: _Job, result: GenerationResult) -> Check:
-        hit_guard = job.guard_binding and result.finish_reason is FinishReason.LENGTH
-        return check(job.text, result.text, self.examples, job.target_lang, length_guard=hit_guard)
+    def _check(self, job: RetryJob, result: GenerationResult) -> Check:
+        hit_guard = job.state.guard_binding and result.finish_reason is FinishReason.LENGTH
+        r = job.request
+        return check(r.text, result.text, self.examples, r.target_lang, length_guard=hit_guard)
 
-    def _on_first(self, job: _Job, result: GenerationResult) -> None:
+    def _on_first(self, job: RetryJob, result: GenerationResult) -> None:
         if not result.ok:
-            self._resolve(job, result)  # the worker's retry / deadline rules apply
+            job.resolve(result)  # the worker's retry / deadline rules apply
             return
         first = self._check(job, result)
         if not first.suspect:
-            self._resolve(job, result)
+            job.resolve(result)
             return
         for name in first.problems:
-            self._count("checks", job.target_lang, name)
-        with self._lock:
-            cancelled = job.cancelled
-        if cancelled or not self.retry:
+            self._count("checks", job.request.target_lang, name)
+        if job.cancelled or not self.retry:
             self._flag(job, result, first, retry="off" if not self.retry else "cancelled")
             return
-        try:
-            job.inner = self.inner.submit_translation(  # type: ignore[call-arg]
-                request_id=job.request_id + RETRY_SUFFIX,
-                text=job.text,
-                source_lang=job.source_lang,
-                target_lang=job.target_lang,
-                deadline=job.deadline,
-                max_new_tokens=job.cap,
+        try:  # the same turn, same cap and deadline, in the retry form
+            job.rerun(
+                self.inner,
+                RETRY_SUFFIX,
+                lambda second: self._on_retry(job, result, first, second),
                 prompt_form=self.retry_form,
-                # the same turn: passed on, though the base engine's history hook gives the
-                # retry form no history (workers/context_engine.py)
-                conversation_id=job.conversation_id,
             )
         except Exception as exc:  # the engine is stopping: the policy on what we have
             self._flag(job, result, first, retry=f"not submitted: {type(exc).__name__}: {exc}")
-            return
-        job.inner.add_done_callback(lambda second: self._on_retry(job, result, first, second))
-        with self._lock:
-            cancel_now = job.cancelled  # cancel() raced with the submit above
-        if cancel_now:
-            job.inner.cancel()
 
     def _on_retry(
-        self, job: _Job, result: GenerationResult, first: Check, second: GenerationResult
+        self, job: RetryJob, result: GenerationResult, first: Check, second: GenerationResult
     ) -> None:
-        if second.finish_reason is FinishReason.CANCELLED:
-            self._resolve(job, merged_runs(result, second, job.request_id))
-            return
-        if not second.ok:
-            why = f"finished {second.finish_reason.value}: {second.error}"
-            self._flag(job, result, first, retry=why)
+        if job.rerun_ended(result, second, lambda ran, why: self._flag(job, ran, first, retry=why)):
             return
         checked = self._check(job, second)
-        merged = merged_runs(result, second, job.request_id)
+        merged = merged_runs(result, second, job.request.request_id)
+        merged = dataclasses.replace(merged, retries=merged.retries + 1)
         if not checked.suspect:
-            notes = {NOTE_KEY: "retried", f"{NOTE_KEY}.first": ",".join(first.problems)}
-            self._answer(job, "retried", dataclasses.replace(merged, notes=notes))
+            notes = {NOTE_KEY: "retried", meta.FAITHFUL_FIRST: ",".join(first.problems)}
+            answer = dataclasses.replace(merged, notes=notes, faithful="retried")
+            self._answer(job, "retried", answer)
             return
         if _severity(checked) < _severity(first):  # the retry is the better of two suspects
             self._flag(job, merged, checked, first=first, retry="suspect too")
@@ -268,7 +207,7 @@ class FaithfulEngine(EngineWrapper):
 
     def _flag(
         self,
-        job: _Job,
+        job: RetryJob,
         result: GenerationResult,
         found: Check,
         *,
@@ -279,9 +218,9 @@ class FaithfulEngine(EngineWrapper):
         outcome = "withheld" if self.policy == "withhold" else "flagged"
         notes = {
             NOTE_KEY: outcome,
-            f"{NOTE_KEY}.first": ",".join((first or found).problems),
-            f"{NOTE_KEY}.problems": ",".join(found.problems),
-            f"{NOTE_KEY}.retry": retry,
+            meta.FAITHFUL_FIRST: ",".join((first or found).problems),
+            meta.FAITHFUL_PROBLEMS: ",".join(found.problems),
+            meta.FAITHFUL_RETRY: retry,
         }
         if found.length_guard:
             notes[FINISH_REASON_KEY] = GUARD_REASON
@@ -291,7 +230,14 @@ class FaithfulEngine(EngineWrapper):
             result = dataclasses.replace(
                 result, text="", finish_reason=FinishReason.WITHHELD, error=error
             )
-        self._answer(job, outcome, dataclasses.replace(result, notes=notes))
+        result = dataclasses.replace(
+            result,
+            notes=notes,
+            faithful=outcome,
+            flagged=outcome == "flagged",
+            finish_detail=GUARD_REASON if found.length_guard else result.finish_detail,
+        )
+        self._answer(job, outcome, result)
 
     def _count(self, kind: str, lang: str, label: str) -> None:
         with self._lock:
@@ -303,41 +249,10 @@ class FaithfulEngine(EngineWrapper):
         else:
             self._metrics.faithful_outcomes_total.labels(lang=lang, outcome=label).inc()
 
-    def _answer(self, job: _Job, outcome: str, result: GenerationResult) -> None:
-        self._count("outcomes", job.target_lang, outcome)
-        self._resolve(job, result)
-
-    def _resolve(self, job: _Job, result: GenerationResult) -> None:
-        with self._lock:
-            self._jobs.pop(job.request_id, None)
-        job.handle.set_result(dataclasses.replace(result, request_id=job.request_id))
-
-    def _cancel(self, request_id: str) -> None:
-        with self._lock:
-            job = self._jobs.get(request_id)
-            if job is None:
-                return
-            job.cancelled = True
-            inner = job.inner
-        if inner is not None:
-            inner.cancel()
+    def _answer(self, job: RetryJob, outcome: str, result: GenerationResult) -> None:
+        self._count("outcomes", job.request.target_lang, outcome)
+        job.resolve(result)
 
 
 def _severity(found: Check) -> int:
     return sum(_SEVERITY[name] for name in found.problems)
-
-
-def _retry_form_of(engine: Any) -> str | None:
-    """The retry form of the engine's prompt builder (an `Engine`, or one a wrapper holds)."""
-    for candidate in (engine, getattr(engine, "engine", None)):
-        prompts = getattr(candidate, "prompts", None)
-        form = getattr(prompts, "retry_form", None)
-        if isinstance(form, str):
-            return form
-    return None
-
-
-def faithful(engine: TranslationEngine, **kwargs: Any) -> FaithfulEngine:
-    """`engine` under the length guard and the faithfulness checks (on by default in `tolk
-    worker`; `--no-faithful` leaves it out)."""
-    return FaithfulEngine(engine, **kwargs)

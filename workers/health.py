@@ -15,11 +15,11 @@ pod counts as available during a rollout (readiness) and when to restart a wedge
   It deliberately checks nothing external: a broker or redis outage must not restart every pod
   (the worker rides those out, docs/ARCHITECTURE.md).
 
-Engines are wrapped (`FairEngine.engine`, the `.inner` of the protected-span, faithfulness and
-cache wrappers), so the engine's attributes are looked up down that chain
-(`engine_attribute`); an engine that reports no heartbeat or warm-up (a test fake) is taken
-as live and warm. The port is `TOLK_HEALTH_PORT` (workers/ports.py: a number is that port or
-no start, `auto` a free one, unset 8081 or else a free one with a warning, 0 none). Before
+The worker's engine is the serving pipeline's `ServedEngine` (workers/serving/pipeline.py),
+which gives the heartbeat and warm languages of the engine inside explicitly
+(`engine_attribute` reads them); an engine that reports no heartbeat or warm-up (a test fake)
+is taken as live and warm. The port is `TOLK_HEALTH_PORT` (workers/ports.py: a number is that
+port or no start, `auto` a free one, unset 8081 or else a free one with a warning, 0 none). Before
 `Worker.run` starts the server (while the CLI loads the model and warms the prefixes) nothing
 listens: a probe's connection is refused, which Kubernetes counts as a failure; the
 Deployment's startupProbe (deploy/k8s/worker/deployment.yaml) covers that time.
@@ -45,21 +45,10 @@ __all__ = ["HealthServer", "ProbeResult", "WorkerProbes", "engine_attribute", "s
 
 log = logging.getLogger(__name__)
 
-_WRAPPER_LINKS = ("inner", "engine")  # where a wrapper keeps the engine it wraps
-_MAX_WRAPPERS = 8
-
 
 def engine_attribute(engine: Any, name: str) -> Any:
-    """`name` of the first engine down the wrapper chain that has it (not None), else None."""
-    obj = engine
-    for _ in range(_MAX_WRAPPERS):
-        if obj is None:
-            return None
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-        obj = next((getattr(obj, link) for link in _WRAPPER_LINKS if hasattr(obj, link)), None)
-    return None
+    """The engine's `name` (the served engine gives its inner engine's), None where it has none."""
+    return getattr(engine, name, None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,8 @@ and deadline rules apply to it as to any engine result. The result of a retry ca
 work of both runs: summed tokens and prefill/decode/total times.
 
 Callbacks run on the inner engine's thread: they do a few regex passes and, at most, queue one
-more request, so they stay quick. `protect_spans(engine)` is what the CLI calls for
-`tolk worker --protect-spans`.
+more request (a `workers.serving.retry.RetryJob` rerun), so they stay quick. `tolk worker
+--protect-spans` turns it on; its place in the pipeline is workers/serving/pipeline.py's.
 """
 
 from __future__ import annotations
@@ -37,19 +37,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from workers import reply_metadata as meta
 from workers.engine.types import (
     FinishReason,
     GenerationResult,
     RequestHandle,
     TranslationEngine,
+    TranslationRequest,
 )
 from workers.engine_wrapper import EngineWrapper, merged_runs
 from workers.protected_spans import (
     MaskConflict,
-    Masked,
     MaskStyle,
     RestoreError,
     find_spans,
@@ -58,38 +58,21 @@ from workers.protected_spans import (
     restore,
     style_for_model,
 )
+from workers.serving.retry import RetryJob
 
 __all__ = [
     "NOTE_KEY",
     "OUTCOMES",
     "ProtectedSpansEngine",
-    "protect_spans",
 ]
 
-NOTE_KEY = "tolk.protected_spans"  # metadata key of the outcome on the reply
+NOTE_KEY = meta.SPANS  # the outcome's reply metadata key (workers/reply_metadata.py)
 OUTCOMES = ("restored", "retried_unmasked", "flagged", "skipped")
 RETRY_SUFFIX = "~unmasked"  # inner request id of the unmasked retry
 
 
 class _SpanMetrics(Protocol):
     protected_spans_total: Any  # a prometheus Counter labelled (lang, outcome)
-
-
-@dataclass
-class _Job:
-    """One masked request in flight."""
-
-    request_id: str
-    text: str  # the original text
-    source_lang: str
-    target_lang: str
-    deadline: float | None
-    max_new_tokens: int | None
-    masked: Masked
-    handle: RequestHandle  # what the caller holds
-    conversation_id: str | None = None
-    inner: RequestHandle | None = None  # the inner run now in flight
-    cancelled: bool = False
 
 
 class ProtectedSpansEngine(EngineWrapper):
@@ -107,7 +90,6 @@ class ProtectedSpansEngine(EngineWrapper):
         self.style = style if style is not None else style_for_model(inner.model_version)
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
 
     # -- TranslationEngine -------------------------------------------------------------------
@@ -115,143 +97,114 @@ class ProtectedSpansEngine(EngineWrapper):
     def bind_metrics(self, metrics: _SpanMetrics) -> None:
         """Count outcomes in the worker's `tolk_protected_spans_total` from now on."""
         self._metrics = metrics
-        super().bind_metrics(metrics)
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Queue one translation, masked when its text has protected spans."""
-        spans = find_spans(text)
-
-        def submit(inner_text: str) -> RequestHandle:
-            return self.inner.submit_translation(
-                request_id=request_id,
-                text=inner_text,
-                source_lang=source_lang,
-                target_lang=target_lang,
-                deadline=deadline,
-                max_new_tokens=max_new_tokens,
-                conversation_id=conversation_id,
-            )
-
+        spans = find_spans(request.text)
         if not spans:
-            return submit(text)
+            return self.inner.submit_translation(request)
         try:
-            masked = mask(text, spans, self.style)
+            masked = mask(request.text, spans, self.style)
         except MaskConflict:
-            return self._skipped(submit(text), target_lang, len(spans))
-        handle = RequestHandle(request_id, self._cancel)
-        job = _Job(
-            request_id,
-            text,
-            source_lang,
-            target_lang,
-            deadline,
-            max_new_tokens,
-            masked,
-            handle,
-            conversation_id=conversation_id,
+            inner = self.inner.submit_translation(request)
+            return self._skipped(inner, request.target_lang, len(spans))
+        job = RetryJob(request, masked)  # the masked text under the request's own id
+        job.run(
+            self.inner,
+            lambda result: self._on_masked(job, result),
+            dataclasses.replace(request, text=masked.text),
         )
-        with self._lock:
-            self._jobs[request_id] = job
-        try:
-            job.inner = submit(masked.text)
-        except Exception:
-            with self._lock:
-                self._jobs.pop(request_id, None)
-            raise
-        job.inner.add_done_callback(lambda result: self._on_masked(job, result))
-        return handle
+        return job.handle
 
     # -- the two runs ---------------------------------------------------------------------------
 
-    def _on_masked(self, job: _Job, result: GenerationResult) -> None:
+    def _on_masked(self, job: RetryJob, result: GenerationResult) -> None:
         if not result.ok:
-            self._resolve(job, result)  # the worker's retry / deadline rules apply
+            job.resolve(result)  # the worker's retry / deadline rules apply
             return
         try:
-            text = restore(job.masked, result.text)
+            text = restore(job.state, result.text)
         except RestoreError as exc:
             self._retry_unmasked(job, result, exc)
             return
         notes = self._notes(job, "restored")
-        self._answer(job, "restored", dataclasses.replace(result, text=text, notes=notes))
+        answer = dataclasses.replace(result, text=text, notes=notes, spans="restored")
+        self._answer(job, "restored", answer)
 
     def _retry_unmasked(
-        self, job: _Job, masked_result: GenerationResult, exc: RestoreError
+        self, job: RetryJob, masked_result: GenerationResult, exc: RestoreError
     ) -> None:
-        with self._lock:
-            cancelled = job.cancelled
-        if not cancelled:
-            try:
-                job.inner = self.inner.submit_translation(
-                    request_id=job.request_id + RETRY_SUFFIX,
-                    text=job.text,
-                    source_lang=job.source_lang,
-                    target_lang=job.target_lang,
-                    deadline=job.deadline,
-                    max_new_tokens=job.max_new_tokens,
-                    # the same turn of the same conversation, asked again unmasked
-                    conversation_id=job.conversation_id,
-                )
-            except Exception as submit_exc:  # the engine is stopping: answer what we have
-                why = f"unmasked retry not submitted: {type(submit_exc).__name__}: {submit_exc}"
-                self._flag_masked(job, masked_result, exc, why)
-                return
-            job.inner.add_done_callback(
-                lambda result: self._on_unmasked(job, masked_result, exc, result)
-            )
-            with self._lock:
-                cancel_now = job.cancelled  # cancel() raced with the submit above
-            if cancel_now:
-                job.inner.cancel()
+        if job.cancelled:
+            job.resolve(_cancelled(masked_result, job.request.request_id))
             return
-        self._resolve(job, _cancelled(masked_result, job.request_id))
+        try:  # the same turn of the same conversation, asked again unmasked
+            job.rerun(
+                self.inner,
+                RETRY_SUFFIX,
+                lambda result: self._on_unmasked(job, masked_result, exc, result),
+            )
+        except Exception as submit_exc:  # the engine is stopping: answer what we have
+            why = f"unmasked retry not submitted: {type(submit_exc).__name__}: {submit_exc}"
+            self._flag_masked(job, masked_result, exc, why)
 
     def _on_unmasked(
         self,
-        job: _Job,
+        job: RetryJob,
         masked_result: GenerationResult,
         exc: RestoreError,
         result: GenerationResult,
     ) -> None:
-        if result.finish_reason is FinishReason.CANCELLED:
-            self._resolve(job, merged_runs(masked_result, result, job.request_id))
+        def failed(ran: GenerationResult, why: str) -> None:
+            self._flag_masked(job, ran, exc, f"unmasked retry {why}")
+
+        if job.rerun_ended(masked_result, result, failed):
             return
-        if not result.ok:
-            why = f"unmasked retry finished {result.finish_reason.value}: {result.error}"
-            self._flag_masked(job, masked_result, exc, why)
-            return
-        found, total = preservation(job.text, result.text)
+        found, total = preservation(job.request.text, result.text)
         outcome = "retried_unmasked" if found == total else "flagged"
         notes = self._notes(job, outcome, restore_error=exc.summary(), preserved=f"{found}/{total}")
-        merged = merged_runs(masked_result, result, job.request_id)
-        self._answer(job, outcome, dataclasses.replace(merged, notes=notes))
+        merged = merged_runs(masked_result, result, job.request.request_id)
+        answer = dataclasses.replace(
+            merged,
+            notes=notes,
+            spans=outcome,
+            retries=merged.retries + 1,
+            flagged=outcome == "flagged",
+        )
+        self._answer(job, outcome, answer)
 
     def _flag_masked(
-        self, job: _Job, masked_result: GenerationResult, exc: RestoreError, why: str
+        self, job: RetryJob, masked_result: GenerationResult, exc: RestoreError, why: str
     ) -> None:
         """The answer of last resort: the masked translation restored as far as it goes."""
-        text = restore(job.masked, masked_result.text, strict=False)
-        found, total = preservation(job.text, text)
+        text = restore(job.state, masked_result.text, strict=False)
+        found, total = preservation(job.request.text, text)
         notes = self._notes(
             job, "flagged", restore_error=exc.summary(), preserved=f"{found}/{total}", retry=why
         )
-        self._answer(job, "flagged", dataclasses.replace(masked_result, text=text, notes=notes))
+        answer = dataclasses.replace(
+            masked_result, text=text, notes=notes, spans="flagged", flagged=True
+        )
+        self._answer(job, "flagged", answer)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
-    def _notes(self, job: _Job, outcome: str, **extra: str) -> dict[str, str]:
-        notes = {NOTE_KEY: outcome, f"{NOTE_KEY}.spans": str(len(job.masked.spans))}
-        notes.update({f"{NOTE_KEY}.{k}": v for k, v in extra.items()})
+    def _notes(
+        self,
+        job: RetryJob,
+        outcome: str,
+        *,
+        restore_error: str | None = None,
+        preserved: str | None = None,
+        retry: str | None = None,
+    ) -> dict[str, str]:
+        notes = {NOTE_KEY: outcome, meta.SPANS_COUNT: str(len(job.state.spans))}
+        for key, value in (
+            (meta.SPANS_RESTORE_ERROR, restore_error),
+            (meta.SPANS_PRESERVED, preserved),
+            (meta.SPANS_RETRY, retry),
+        ):
+            if value is not None:
+                notes[key] = value
         return notes
 
     def _count(self, lang: str, outcome: str) -> None:
@@ -260,14 +213,9 @@ class ProtectedSpansEngine(EngineWrapper):
         if self._metrics is not None:
             self._metrics.protected_spans_total.labels(lang=lang, outcome=outcome).inc()
 
-    def _answer(self, job: _Job, outcome: str, result: GenerationResult) -> None:
-        self._count(job.target_lang, outcome)
-        self._resolve(job, result)
-
-    def _resolve(self, job: _Job, result: GenerationResult) -> None:
-        with self._lock:
-            self._jobs.pop(job.request_id, None)
-        job.handle.set_result(dataclasses.replace(result, request_id=job.request_id))
+    def _answer(self, job: RetryJob, outcome: str, result: GenerationResult) -> None:
+        self._count(job.request.target_lang, outcome)
+        job.resolve(result)
 
     def _skipped(self, inner: RequestHandle, lang: str, n_spans: int) -> RequestHandle:
         """The caller's handle for a text translated unmasked because it held mask-like
@@ -277,22 +225,12 @@ class ProtectedSpansEngine(EngineWrapper):
         def done(result: GenerationResult) -> None:
             if result.ok:
                 self._count(lang, "skipped")
-                notes = {NOTE_KEY: "skipped", f"{NOTE_KEY}.spans": str(n_spans)}
-                result = dataclasses.replace(result, notes=notes)
+                notes = {NOTE_KEY: "skipped", meta.SPANS_COUNT: str(n_spans)}
+                result = dataclasses.replace(result, notes=notes, spans="skipped")
             handle.set_result(result)
 
         inner.add_done_callback(done)
         return handle
-
-    def _cancel(self, request_id: str) -> None:
-        with self._lock:
-            job = self._jobs.get(request_id)
-            if job is None:
-                return
-            job.cancelled = True
-            inner = job.inner
-        if inner is not None:
-            inner.cancel()
 
 
 def _cancelled(result: GenerationResult, request_id: str) -> GenerationResult:
@@ -303,10 +241,3 @@ def _cancelled(result: GenerationResult, request_id: str) -> GenerationResult:
         finish_reason=FinishReason.CANCELLED,
         error="cancelled",
     )
-
-
-def protect_spans(
-    engine: TranslationEngine, *, style: MaskStyle | None = None
-) -> ProtectedSpansEngine:
-    """`engine` with protected spans masked and restored (`tolk worker --protect-spans`)."""
-    return ProtectedSpansEngine(engine, style=style)

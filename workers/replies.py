@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from schemas.codec import encode_dead_letter
+from workers import reply_metadata
 from workers.engine.deadlines import expired_despite_ok
 from workers.engine.types import FinishReason, GenerationResult
 from workers.records import ConsumedRecord, InFlight
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 # Reply metadata key saying a translation stopped at its token cap (replay.quality reads it).
-FINISH_REASON_KEY = "tolk.finish_reason"
+FINISH_REASON_KEY = reply_metadata.FINISH_REASON
 
 # FinishReason -> ResultStatus symbol on the reply.
 STATUS_OF: dict[FinishReason, str] = {
@@ -133,7 +134,7 @@ def engine_reply(
 def _reply_metadata(result: GenerationResult) -> Mapping[str, str]:
     """The result's notes, plus `tolk.finish_reason: length` when generation stopped at its
     token cap: a truncated translation is said so in the reply, never silently. A finer reason
-    a wrapper put in the notes (`length_guard`, workers/faithful_engine.py) is kept."""
+    a stage put in the notes (`length_guard`, workers/faithful_engine.py) is kept."""
     if result.finish_reason is not FinishReason.LENGTH:
         return result.notes
     return {FINISH_REASON_KEY: FinishReason.LENGTH.value, **result.notes}

@@ -20,17 +20,15 @@ Flow of one request (`tolk worker --tm-examples K`, off by default):
    `no_index` (no index for the pair, or no source language given) / `error` (retrieval
    failed: the request is translated with the fixed examples only, never lost).
 
-Compose it innermost, right around the engine (before `faithful` wraps it): it builds the
-`GenerationRequest` itself with the engine's `translation_request` and submits it with the
-engine's `submit` (a `FairEngine` keeps its deadline precheck and watchdog), so it needs the
-engine, not another wrapper. It passes `prompt_form` through, so the faithfulness wrapper's
-retry form still works (the retry gets the same retrieved examples).
+Its place is innermost, right around the engine (workers/serving/pipeline.py): the examples
+go down in the request's `examples` field, and the faithfulness stage's retry, a copy of the
+request in another prompt form, shows the same examples.
 
 The exact-match cache must not answer a plain arm's request with a retrieved-examples
 translation or the other way round: `key_note` (k, the similarity floor, the length cap and a
 digest of every index's pairs and parameters) goes into the cache's engine fingerprint
-(`workers.cache_engine.engine_fingerprint`), besides this class's name in the wrapper chain;
-rebuilding the TM with other pairs retires its cached translations.
+(`workers.cache_engine.engine_fingerprint`), besides this class's name among the stages
+below the cache; rebuilding the TM with other pairs retires its cached translations.
 
 Retrieval runs on the caller's thread (the worker's poll loop): about a millisecond or two of
 embedding plus well under a millisecond of search per request (`bench/tm_prompt.py` measures
@@ -51,7 +49,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.types import GenerationResult, RequestHandle, TranslationEngine
+from workers import reply_metadata as meta
+from workers.engine.types import (
+    GenerationResult,
+    RequestHandle,
+    TranslationEngine,
+    TranslationRequest,
+)
 from workers.engine_wrapper import EngineWrapper
 from workers.tm.phrase_index import Neighbour, PhraseIndexes
 
@@ -67,9 +71,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NOTE_KEY = "tolk.tm"  # metadata: "no_index" / "error" when no example was retrieved
-EXAMPLES_KEY = "tolk.tm.examples"  # metadata: how many retrieved examples the prompt showed
-SIMILARITY_KEY = "tolk.tm.similarity"  # metadata: cosine similarity of the nearest one
+NOTE_KEY = meta.TM  # the reply metadata keys of this stage (workers/reply_metadata.py)
+EXAMPLES_KEY = meta.TM_EXAMPLES
+SIMILARITY_KEY = meta.TM_SIMILARITY
 DEFAULT_MAX_EXAMPLE_CHARS = 400  # a longer source or target is not shown as an example
 
 
@@ -182,26 +186,12 @@ def tm_digest(indexes: PhraseIndexes) -> str:
     return h.hexdigest()
 
 
-def _prompt_engine(inner: Any) -> Any:
-    """The object with `translation_request`: the engine, or the `Engine` a `FairEngine` holds."""
-    for candidate in (inner, getattr(inner, "engine", None)):
-        if candidate is not None and callable(getattr(candidate, "translation_request", None)):
-            return candidate
-    raise TypeError(
-        f"{type(inner).__name__}: retrieved examples need the engine itself (an Engine or a "
-        "FairEngine) as the inner engine; compose RetrievedExamplesEngine innermost"
-    )
-
-
 class RetrievedExamplesEngine(EngineWrapper):
     """Wraps the engine; each request's prompt shows its nearest TM pairs (module notes)."""
 
     def __init__(self, inner: TranslationEngine, retriever: ExampleRetriever) -> None:
         self.inner = inner
         self.retriever = retriever
-        self._prompts = _prompt_engine(inner)
-        if not callable(getattr(inner, "submit", None)):
-            raise TypeError(f"{type(inner).__name__} has no submit(GenerationRequest)")
         self.key_note = retriever.key_note  # read by the cache's engine fingerprint
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, retrieved|no_index|error)
@@ -211,23 +201,12 @@ class RetrievedExamplesEngine(EngineWrapper):
     def bind_metrics(self, metrics: Any) -> None:
         """Count in the worker's `tolk_tm_retrievals_total` / `tolk_tm_retrieval_seconds`."""
         self._metrics = metrics
-        super().bind_metrics(metrics)
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        prompt_form: str | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
-        """Queue one translation whose prompt shows the nearest TM pairs. The conversation id
-        is not passed on: the request this builds goes to the engine's `submit`, and a
-        turn's history reaches its prompt by the engine's `prompt_history` hook."""
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        """Queue one translation whose prompt shows the nearest TM pairs (the request's
+        `examples`, which the engine puts after the cached prefix)."""
+        request_id, text = request.request_id, request.text
+        source_lang, target_lang = request.source_lang, request.target_lang
         notes: dict[str, str]
         examples: tuple[tuple[str, str], ...]
         try:
@@ -252,21 +231,12 @@ class RetrievedExamplesEngine(EngineWrapper):
             self._metrics.tm_retrievals_total.labels(lang=target_lang, outcome=outcome).inc()
             if found is not None and found.indexed:
                 self._metrics.tm_retrieval_seconds.observe(found.seconds)
-        request = self._prompts.translation_request(
-            text,
-            source_lang,
-            target_lang,
-            request_id=request_id,
-            deadline=deadline,
-            max_new_tokens=max_new_tokens,
-            prompt_form=prompt_form,
-            examples=examples,
-        )
-        inner = self.inner.submit(request)  # type: ignore[attr-defined]
+        inner = self.inner.submit_translation(dataclasses.replace(request, examples=examples))
         outer = RequestHandle(request_id, lambda _rid: inner.cancel())
 
         def done(result: GenerationResult) -> None:  # engine thread: one dict merge
-            outer.set_result(dataclasses.replace(result, notes={**result.notes, **notes}))
+            merged = {**result.notes, **notes}
+            outer.set_result(dataclasses.replace(result, notes=merged, examples_used=len(examples)))
 
         inner.add_done_callback(done)
         return outer

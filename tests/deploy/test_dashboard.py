@@ -181,9 +181,9 @@ def test_every_panel_returns_data_after_a_short_load(
     prometheus: dict[str, int],
     tmp_path: Path,
 ) -> None:
-    from workers.cache_engine import with_translation_cache
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
+    from workers.serving.pipeline import ServingOptions, build_served_engine
 
     prefix = f"t{uuid.uuid4().hex[:10]}."
     create_prefixed_topics(kafka_bootstrap, prefix, LANGS)
@@ -205,7 +205,10 @@ def test_every_panel_returns_data_after_a_short_load(
         config=EngineConfig(kv_cache_tokens=4096, max_new_tokens=MAX_NEW_TOKENS),
     )
     fair.engine.warm(LANGS)
-    engine = with_translation_cache(fair, settings, variant=f"test={uuid.uuid4().hex[:8]}")
+    options = ServingOptions(
+        faithful=False, cache=True, cache_variant=f"test={uuid.uuid4().hex[:8]}"
+    )
+    engine = build_served_engine(fair, settings, options)
     worker = Worker(settings, engine, registry=CollectorRegistry())
     thread = worker.run_in_thread()
     try:

@@ -12,6 +12,7 @@ from workers.engine.types import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    TranslationRequest,
     UnsupportedLanguage,
 )
 
@@ -132,7 +133,7 @@ def test_threaded_submit_and_callbacks(engine: Engine) -> None:
         got: list[str] = []
         handles = [
             engine.submit_translation(
-                request_id=f"r{i}", text=t, source_lang="en", target_lang=lang
+                TranslationRequest(request_id=f"r{i}", text=t, source_lang="en", target_lang=lang)
             )
             for i, (t, lang) in enumerate(
                 [("Hello!", "de"), ("Good morning.", "fr"), ("Yes.", "it")]
@@ -151,7 +152,9 @@ def test_threaded_submit_and_callbacks(engine: Engine) -> None:
 
 def test_unknown_language_is_refused(engine: Engine) -> None:
     with pytest.raises(UnsupportedLanguage, match="xx"):
-        engine.submit_translation(request_id="x", text="hi", source_lang="en", target_lang="xx")
+        engine.submit_translation(
+            TranslationRequest(request_id="x", text="hi", source_lang="en", target_lang="xx")
+        )
 
 
 def test_expired_deadline_is_not_served(engine: Engine) -> None:

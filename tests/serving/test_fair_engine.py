@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.types import FinishReason, GenerationRequest
+from workers.engine.types import FinishReason, GenerationRequest, TranslationRequest
 from workers.fairness.policy import LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, VTCQueue
 from workers.serving.fair_engine import build_fair_engine
@@ -117,17 +117,27 @@ def test_fair_engine_deadlines_and_learning(smollm2: Any) -> None:
         text = "The children are playing in the garden."
         ok = [
             fe.submit_translation(
-                request_id=f"ok-{g}-{i}", text=text, source_lang="en", target_lang=g
+                TranslationRequest(
+                    request_id=f"ok-{g}-{i}", text=text, source_lang="en", target_lang=g
+                )
             )
             for i in range(3)
             for g in WEIGHTS
         ]
         now = time.monotonic()
         past = fe.submit_translation(
-            request_id="past", text=text, source_lang="en", target_lang="de", deadline=now - 1
+            TranslationRequest(
+                request_id="past", text=text, source_lang="en", target_lang="de", deadline=now - 1
+            )
         )
         tight = fe.submit_translation(
-            request_id="tight", text=text, source_lang="en", target_lang="fr", deadline=now + 0.02
+            TranslationRequest(
+                request_id="tight",
+                text=text,
+                source_lang="en",
+                target_lang="fr",
+                deadline=now + 0.02,
+            )
         )
         for h in ok:
             r = h.result(120)

@@ -31,6 +31,7 @@ from workers.engine.types import (
     GenerationResult,
     RequestHandle,
     Timings,
+    TranslationRequest,
     UnsupportedLanguage,
 )
 
@@ -87,17 +88,10 @@ class FakeEngine:
 
     # -- TranslationEngine --------------------------------------------------------------------
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        request_id, text, deadline = request.request_id, request.text, request.deadline
+        source_lang, target_lang = request.source_lang, request.target_lang
+        conversation_id = request.conversation_id
         if target_lang not in self.languages:
             raise UnsupportedLanguage(f"no prompt for target language {target_lang!r}")
         if source_lang and source_lang not in self.languages:

@@ -6,9 +6,9 @@ load is in test_cache_outage.py, the replay figures in bench/cache.py.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry
 from tests.workers.fakes import FAIL_MARKER, FakeEngine, fake_translation
 from tests.workers.polling import wait_for
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
-from workers.cache_engine import CachingEngine, engine_fingerprint, with_translation_cache
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.cache_engine import CachingEngine, engine_fingerprint
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.metrics import WorkerMetrics
 from workers.protected_engine import ProtectedSpansEngine
+from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
 from workers.tm.redis_cache import InMemoryTranslationCache
 
@@ -44,7 +45,7 @@ def caching(
 
 def submit(engine: CachingEngine, rid: str, text: str = "Vielen Dank.", **kw: Any) -> RequestHandle:
     args: dict[str, Any] = {"source_lang": "de", "target_lang": "en", **kw}
-    return engine.submit_translation(request_id=rid, text=text, **args)
+    return engine.submit_translation(TranslationRequest(request_id=rid, text=text, **args))
 
 
 @pytest.fixture
@@ -183,23 +184,29 @@ def test_the_conversation_id_goes_to_the_run_and_is_not_in_the_key(
 
 
 class NotingEngine(FakeEngine):
-    """Adds fixed notes to every result (what a flagging wrapper does)."""
+    """Marks every result as a stage would (notes for the reply, declared fields for code)."""
 
-    def __init__(self, notes: dict[str, str]) -> None:
+    def __init__(self, notes: dict[str, str], **fields: Any) -> None:
         super().__init__()
         self.notes = notes
+        self.fields = fields
 
     def _finish(self, job: Any) -> GenerationResult:
         result = super()._finish(job)
-        result.notes = dict(self.notes)
-        return result
+        return dataclasses.replace(result, notes=dict(self.notes), **self.fields)
 
 
 @pytest.mark.parametrize(
-    "notes", [{"tolk.protected_spans": "flagged"}, {"tolk.faithful": "retried"}]
+    "notes, fields",
+    [
+        ({"tolk.protected_spans": "flagged"}, {"spans": "flagged", "flagged": True}),
+        ({"tolk.faithful": "retried"}, {"faithful": "retried", "retries": 1}),
+    ],
 )
-def test_flagged_or_retried_translations_are_not_cached(notes: dict[str, str]) -> None:
-    engine = caching(NotingEngine(notes))
+def test_flagged_or_retried_translations_are_not_cached(
+    notes: dict[str, str], fields: dict[str, Any]
+) -> None:
+    engine = caching(NotingEngine(notes, **fields))
     try:
         first = submit(engine, "f1").result(5)
         assert first.notes == {**notes, "tolk.cache": "miss"}  # the flag stays on the reply
@@ -224,18 +231,30 @@ def test_long_texts_bypass_the_cache() -> None:
         engine.stop()
 
 
-def test_the_fingerprint_names_model_wrappers_and_variant() -> None:
+def test_the_fingerprint_names_model_stages_and_variant() -> None:
     inner = ProtectedSpansEngine(FakeEngine(model_version="gemma3-270m"))
-    assert engine_fingerprint(inner, "arm=B") == (
+    assert engine_fingerprint(inner.model_version, [inner, inner.inner], "arm=B") == (
         "gemma3-270m|ProtectedSpansEngine>FakeEngine|arm=B"
+    )
+    # as the builder composes `tolk worker --protect-spans --arm B`: the stages below the cache
+    options = ServingOptions(
+        protect_spans=True, cache=True, cache_variant="quantize=int8",
+        cache_l2=InMemoryTranslationCache(),
+    )  # fmt: skip
+    served = build_served_engine(
+        FakeEngine(model_version="gemma3-270m"), Settings(arm="B"), options
+    )
+    assert served.stage("cache").fingerprint == (
+        "gemma3-270m|ProtectedSpansEngine>FaithfulEngine>FakeEngine|arm=B,quantize=int8"
     )
 
 
 def test_two_arms_never_share_entries() -> None:
     shared = InMemoryTranslationCache()
     settings = Settings(metrics_port=0)
-    a = with_translation_cache(FakeEngine(), settings.replace(arm="A"), l2=shared)
-    b = with_translation_cache(FakeEngine(), settings.replace(arm="B"), l2=shared)
+    options = ServingOptions(faithful=False, cache=True, cache_l2=shared)
+    a = build_served_engine(FakeEngine(), settings.replace(arm="A"), options).stage("cache")
+    b = build_served_engine(FakeEngine(), settings.replace(arm="B"), options).stage("cache")
     for e in (a, b):
         e.start()
     try:
@@ -252,9 +271,7 @@ def test_engines_on_other_prompt_forms_never_share_entries() -> None:
     shared = InMemoryTranslationCache()
 
     def on_form(form: str) -> CachingEngine:
-        inner = FakeEngine()
-        inner.prompts = SimpleNamespace(default_form=form)  # type: ignore[attr-defined]
-        return caching(inner, l2=shared)
+        return caching(FakeEngine(), l2=shared, prompt_form=form)
 
     engines = a, b, a_again = on_form("support8"), on_form("zero_shot"), on_form("support8")
     try:
@@ -362,7 +379,7 @@ def test_tolk_worker_puts_the_cache_outermost_unless_turned_off(
         cli.app, ["worker", "--no-faithful", "--metrics-port", "0", *args], env=env
     )
     assert result.exit_code == 0, result.output
-    (engine,) = RecordingWorker.engines
-    assert isinstance(engine, CachingEngine) is cached
+    (served,) = RecordingWorker.engines
+    assert isinstance(served.entry, CachingEngine) is cached
     if cached:
-        assert isinstance(engine.inner, FakeEngine)
+        assert isinstance(served.entry.inner, FakeEngine)

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from tests.workers.fakes import FakeEngine, fake_translation
-from workers.cache_engine import CachingEngine
 from workers.context import ConversationMemory, RecordedTurn, advance_window, render_turn
 from workers.context_engine import CONTEXT_NOTE, NO_HISTORY_SUFFIX, RETRY_NOTE, ContextEngine
 from workers.engine.prompts import PromptBuilder
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
+from workers.serving.pipeline import ServingOptions, build_served_engine
+from workers.settings import Settings
 from workers.tm.redis_cache import InMemoryTranslationCache
 
 # -- the window -----------------------------------------------------------------------------
@@ -168,25 +169,21 @@ def gemma_prompts() -> PromptBuilder:
 
 class PromptEngine:
     """A base engine that builds prompts as `Engine.translation_request` does (prefix,
-    history from the `prompt_history` hook, query) and answers with fixed "generated" ids."""
+    the request's history ids, query) and answers with fixed "generated" ids."""
 
     model_version = "prompt-only"
     languages = ("en", "de")
 
     def __init__(self, prompts: PromptBuilder, answers: dict[str, str]) -> None:
         self.prompts = prompts
-        self.prompt_history: Any = None
         self.answers = answers
         self.built: dict[str, list[int]] = {}
         self.generated: dict[str, list[int]] = {}
 
-    def submit_translation(self, *, request_id: str, text: str, source_lang: str,
-                           target_lang: str, deadline: float | None = None,
-                           max_new_tokens: int | None = None,
-                           conversation_id: str | None = None) -> RequestHandle:  # fmt: skip
-        ids, prefix_len = self.prompts.build(text, source_lang, target_lang)
-        history = self.prompt_history(request_id, None) if self.prompt_history else None
-        ids[prefix_len:prefix_len] = history or []
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        request_id, text = request.request_id, request.text
+        ids, prefix_len = self.prompts.build(text, request.source_lang, request.target_lang)
+        ids[prefix_len:prefix_len] = request.history
         self.built[request_id] = ids
         answer = self.answers[text]
         # what Gemma generates: the answer after the template's space, then a newline token
@@ -216,12 +213,14 @@ def _converse(
 ) -> tuple[PromptEngine, list[str]]:
     base = PromptEngine(prompts, {src: answer for src, _, _, answer in DIALOGUE})
     memory = ConversationMemory(budget, layout=layout)
-    ctx = ContextEngine(base, base=base, memory=memory)  # type: ignore[arg-type]
+    ctx = ContextEngine(base, prompts=base.prompts, memory=memory)  # type: ignore[arg-type]
     rids = []
     for k, (src, s, t, _) in enumerate(DIALOGUE):
         rid = f"r{k}"
         ctx.submit_translation(
-            request_id=rid, text=src, source_lang=s, target_lang=t, conversation_id="conv-1"
+            TranslationRequest(
+                request_id=rid, text=src, source_lang=s, target_lang=t, conversation_id="conv-1"
+            )
         )
         rids.append(rid)
     return base, rids
@@ -257,25 +256,25 @@ class ContinuingEngine(PromptEngine):
     """Answers a turn that has history with the history's first translation (a small model
     continuing the conversation), and a turn without history with its real answer."""
 
-    def submit_translation(self, **kw: Any) -> RequestHandle:
-        rid = kw["request_id"]
-        history = self.prompt_history(rid, None) if self.prompt_history else None
-        if history:
-            self.answers = {**self.answers, kw["text"]: DIALOGUE[0][3]}  # turn 0's translation
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        if request.history:
+            self.answers = {**self.answers, request.text: DIALOGUE[0][3]}  # turn 0's translation
         else:
             self.answers = {src: answer for src, _, _, answer in DIALOGUE}
-        return super().submit_translation(**kw)
+        return super().submit_translation(request)
 
 
 def test_an_answer_copying_a_history_turn_runs_again_without_history(
     gemma_prompts: PromptBuilder,
 ) -> None:
     base = ContinuingEngine(gemma_prompts, {})
-    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+    ctx = ContextEngine(base, prompts=base.prompts, memory=ConversationMemory(1000))  # type: ignore[arg-type]
     results = []
     for k, (src, s, t, _) in enumerate(DIALOGUE[:3]):  # de->en, en->de, de->en
         handle = ctx.submit_translation(
-            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            TranslationRequest(
+                request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            )
         )
         results.append(handle.result(0))
     # turn 2 (de->en) has turn 0 in its history and first answered with turn 0's translation
@@ -305,9 +304,9 @@ class DeferredContinuingEngine(ContinuingEngine):
         self.pending: list[tuple[RequestHandle, GenerationResult]] = []
         self.cancels: list[str] = []
 
-    def submit_translation(self, **kw: Any) -> RequestHandle:
-        answer = super().submit_translation(**kw).result(0)
-        handle = RequestHandle(kw["request_id"], self.cancels.append)
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        answer = super().submit_translation(request).result(0)
+        handle = RequestHandle(request.request_id, self.cancels.append)
         self.pending.append((handle, answer))
         return handle
 
@@ -321,12 +320,14 @@ def test_a_turn_cancelled_before_its_answer_is_not_retried_without_history(
     gemma_prompts: PromptBuilder,
 ) -> None:
     base = DeferredContinuingEngine(gemma_prompts)
-    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+    ctx = ContextEngine(base, prompts=base.prompts, memory=ConversationMemory(1000))  # type: ignore[arg-type]
 
     def turn(k: int) -> RequestHandle:
         src, s, t, _ = DIALOGUE[k]
         return ctx.submit_translation(
-            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            TranslationRequest(
+                request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            )
         )
 
     turn(0)
@@ -344,11 +345,13 @@ def test_a_turn_that_is_the_history_turn_again_is_not_a_leak(
     gemma_prompts: PromptBuilder,
 ) -> None:
     base = ContinuingEngine(gemma_prompts, {})
-    ctx = ContextEngine(base, base=base, memory=ConversationMemory(1000))  # type: ignore[arg-type]
+    ctx = ContextEngine(base, prompts=base.prompts, memory=ConversationMemory(1000))  # type: ignore[arg-type]
     src, s, t, answer = DIALOGUE[0]
     for k in range(2):  # the customer says the same sentence twice: the same answer is right
         result = ctx.submit_translation(
-            request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            TranslationRequest(
+                request_id=f"r{k}", text=src, source_lang=s, target_lang=t, conversation_id="c"
+            )
         ).result(0)
         assert result.text == answer and RETRY_NOTE not in result.notes
     assert ctx.counts["history_leak"] == 0 and len(base.built) == 2
@@ -385,19 +388,20 @@ def test_cache_never_answers_a_contextual_turn_and_keeps_only_context_free_ones(
 ) -> None:
     engine = FakeEngine()
     engine.start()
-    l2 = InMemoryTranslationCache()
-    cache = CachingEngine(engine, l1_capacity=100, l1_shares={"en": 1.0, "de": 1.0}, l2=l2,
-                          prompt_set_version="p1")  # fmt: skip
-    cache.start()
-    base = SimpleNamespace(prompts=gemma_prompts, prompt_history=None)
-    ctx = ContextEngine(cache, base=base, memory=ConversationMemory(500), uncached=engine)
+    settings = Settings(languages=("en", "de"), context_tokens=500)
+    options = ServingOptions(
+        faithful=False, cache=True, cache_l2=InMemoryTranslationCache(), context=True
+    )  # the builder's order: context around the cache, contextual turns around it
+    base = SimpleNamespace(prompts=gemma_prompts)
+    served = build_served_engine(engine, settings, options, base=base)
+    ctx = served.stage("context")
+    served.start()
     try:
 
         def turn(rid: str, conv: str, text: str) -> GenerationResult:
-            return ctx.submit_translation(
-                request_id=rid, text=text, source_lang="de", target_lang="en",
-                conversation_id=conv,
-            ).result(5)  # fmt: skip
+            return served.submit_translation(
+                TranslationRequest(rid, text, "de", "en", conversation_id=conv)
+            ).result(5)
 
         # conversation A: its first turn has no history (cacheable), then "Danke." in context
         assert turn("a1", "A", "Hallo.").notes["tolk.cache"] == "miss"
@@ -418,8 +422,7 @@ def test_cache_never_answers_a_contextual_turn_and_keeps_only_context_free_ones(
         # the id goes inward on both paths: around the cache (a2) and through it (a1, b1)
         assert [engine.conversations[rid] for rid in ("a1", "a2", "b1")] == ["A", "A", "B"]
     finally:
-        cache.stop()
-        engine.stop()
+        served.stop()
 
 
 # -- the worker passes the conversation id ------------------------------------------------------
@@ -431,9 +434,11 @@ def test_worker_hands_the_conversation_id_to_a_context_engine(gemma_prompts: Pro
     from tests.workers.test_worker_fake_engine import make_rig, now_ms
 
     engine = FakeEngine()
-    base = SimpleNamespace(prompts=gemma_prompts, prompt_history=None)
-    ctx = ContextEngine(engine, base=base, memory=ConversationMemory(500))
-    rig = make_rig(engine=ctx)
+    base = SimpleNamespace(prompts=gemma_prompts)
+    options = ServingOptions(faithful=False, context=True)
+    served = build_served_engine(engine, Settings(context_tokens=500), options, base=base)
+    ctx = served.stage("context")
+    rig = make_rig(engine=served)
 
     def send(rid: str, conversation: str | None, text: str) -> None:
         request: dict[str, Any] = {

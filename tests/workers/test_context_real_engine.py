@@ -14,14 +14,16 @@ import pytest
 from workers.context import ConversationMemory
 from workers.context_engine import CONTEXT_NOTE, ContextEngine
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.types import GenerationResult
+from workers.engine.types import GenerationResult, TranslationRequest
 
 pytestmark = pytest.mark.slow
 
 
 def _turn(ctx: ContextEngine, engine: Engine, rid: str, text: str, conv: str) -> GenerationResult:
     handle = ctx.submit_translation(
-        request_id=rid, text=text, source_lang="de", target_lang="en", conversation_id=conv
+        TranslationRequest(
+            request_id=rid, text=text, source_lang="de", target_lang="en", conversation_id=conv
+        )
     )
     engine.run_until_done()
     return handle.result(0)
@@ -30,7 +32,7 @@ def _turn(ctx: ContextEngine, engine: Engine, rid: str, text: str, conv: str) ->
 def test_turn_k_plus_1_hits_the_prefix_cache_for_its_whole_history(gemma3: Any) -> None:
     engine = Engine(gemma3, EngineConfig(max_new_tokens=32))
     engine.warm(["en"])
-    ctx = ContextEngine(engine, base=engine, memory=ConversationMemory(512))
+    ctx = ContextEngine(engine, prompts=engine.prompts, memory=ConversationMemory(512))
     prefix = len(engine.prompts.prefix_ids("en"))
 
     first = _turn(ctx, engine, "k", "Hallo, ich suche ein günstiges Restaurant.", "conv")

@@ -8,13 +8,15 @@ import time
 import pytest
 
 from tests.workers.fakes import FakeEngine
-from workers.drill_engine import DRILL_NOTE_KEY, DrillEngine, parse_drill, with_drills
-from workers.engine.types import FinishReason
+from workers.drill_engine import DRILL_NOTE_KEY, DrillEngine, parse_drill
+from workers.engine.types import FinishReason, TranslationRequest
+from workers.serving.pipeline import ServingOptions, build_served_engine
+from workers.settings import Settings
 
 
 def _submit(engine: DrillEngine, rid: str, lang: str):  # noqa: ANN202
     return engine.submit_translation(
-        request_id=rid, text="hello", source_lang="en", target_lang=lang
+        TranslationRequest(request_id=rid, text="hello", source_lang="en", target_lang=lang)
     )
 
 
@@ -55,7 +57,8 @@ def test_error_drill_hits_the_same_fraction_of_requests_every_time() -> None:
 
 def test_no_drill_flag_means_no_wrapper_and_bad_specs_are_refused() -> None:
     inner = FakeEngine()
-    assert with_drills(inner) is inner
+    served = build_served_engine(inner, Settings(), ServingOptions(faithful=False))
+    assert served.entry is inner and "drill" not in served.stages
     for kind, spec in (
         ("latency", "de:1.0"),
         ("error", "de:0"),

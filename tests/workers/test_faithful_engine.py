@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from schemas.codec import decode_result, encode_result
 from workers.client_types import TranslationReply
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.faithful import LengthCaps
 from workers.faithful_engine import (
     CANDIDATE_KEY,
@@ -55,19 +55,10 @@ class ScriptedEngine:
     languages: tuple[str, ...] = ("en", "de")
     calls: list[Call] = field(default_factory=list)
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        prompt_form: str | None = None,
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
-        call = Call(request_id, text, max_new_tokens, prompt_form, conversation_id)
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        r = request
+        request_id = r.request_id
+        call = Call(request_id, r.text, r.max_new_tokens, r.prompt_form, r.conversation_id)
         self.calls.append(call)
         out, reason = self.script(call)
         handle = RequestHandle(request_id, lambda _rid: None)
@@ -91,9 +82,7 @@ def make(script: Script, **kw: object) -> tuple[FaithfulEngine, ScriptedEngine]:
 
 
 def translate(engine: FaithfulEngine, text: str, **kw: object) -> GenerationResult:
-    handle = engine.submit_translation(
-        request_id="r1", text=text, source_lang="en", target_lang="de", **kw
-    )
+    handle = engine.submit_translation(TranslationRequest("r1", text, "en", "de", **kw))  # type: ignore[arg-type]
     return handle.result(timeout=5)
 
 
@@ -180,13 +169,9 @@ def test_a_failed_run_passes_through() -> None:
     assert result.finish_reason is FinishReason.EXPIRED and len(inner.calls) == 1
 
 
-def test_an_engine_without_prompt_forms_gets_no_retry() -> None:
-    class NoForms(ScriptedEngine):
-        def submit_translation(self, **kw):  # type: ignore[no-untyped-def,override]
-            return super().submit_translation(**kw)
-
-    inner = NoForms(lambda c: (PATIENCE_DE, FinishReason.STOP))
-    engine = FaithfulEngine(inner, caps=CAPS, retry_form="zero_shot")
+def test_an_engine_without_a_retry_form_gets_no_retry() -> None:
+    inner = ScriptedEngine(lambda c: (PATIENCE_DE, FinishReason.STOP))
+    engine = FaithfulEngine(inner, caps=CAPS, retry_form=None)  # type: ignore[arg-type]
     assert not engine.retry
     assert translate(engine, "Thanks").notes[NOTE_KEY] == "withheld"
 

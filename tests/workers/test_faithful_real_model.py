@@ -13,7 +13,7 @@ import pytest
 
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
-from workers.engine.types import FinishReason
+from workers.engine.types import FinishReason, TranslationRequest
 from workers.faithful import LengthCaps, leaked_example
 from workers.faithful_engine import (
     CANDIDATE_KEY,
@@ -81,11 +81,12 @@ def test_the_packaged_cap_holds_a_long_turn_and_a_tight_cap_stops_it(engine: Eng
         engine,
         caps=LengthCaps({"gemma3": {"en-de": {"slope": 0.0, "intercept": 5.0}}}),
         policy="flag",
+        retry_form=engine.prompts.retry_form,  # as the builder gives it
     )
     engine.start()
     try:
         result = tight.submit_translation(
-            request_id="g1", text=AGENT_TURN, source_lang="en", target_lang="de"
+            TranslationRequest(request_id="g1", text=AGENT_TURN, source_lang="en", target_lang="de")
         ).result(timeout=600)
     finally:
         engine.stop(drain=True, timeout=60)
@@ -123,11 +124,11 @@ def test_smollm2_chat_reply_is_retried_then_withheld(smol: Engine, source: str) 
     # out, the reply says why and carries the candidate
     (first,) = smol.generate([smol.translation_request(source, "de", "en")])
     assert first.text.startswith("I'm sorry")
-    guarded = FaithfulEngine(smol)
+    guarded = FaithfulEngine(smol, retry_form=smol.prompts.retry_form)
     smol.start()
     try:
         result = guarded.submit_translation(
-            request_id="s1", text=source, source_lang="de", target_lang="en"
+            TranslationRequest(request_id="s1", text=source, source_lang="de", target_lang="en")
         ).result(timeout=600)
     finally:
         smol.stop(drain=True, timeout=60)
@@ -145,11 +146,12 @@ def test_smollm2_tight_cap_stops_the_generation_and_says_so(smol: Engine) -> Non
         smol,
         caps=LengthCaps({"smollm2": {"en-de": {"slope": 0.0, "intercept": 4.0}}}),
         policy="flag",
+        retry_form=smol.prompts.retry_form,
     )
     smol.start()
     try:
         result = tight.submit_translation(
-            request_id="s2", text=AGENT_TURN, source_lang="en", target_lang="de"
+            TranslationRequest(request_id="s2", text=AGENT_TURN, source_lang="en", target_lang="de")
         ).result(timeout=600)
     finally:
         smol.stop(drain=True, timeout=60)

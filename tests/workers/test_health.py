@@ -33,8 +33,9 @@ from tests.kafka_fixtures import kafka_bootstrap, redis_url  # noqa: F401
 from tests.workers.fakes import FAKE_LANGUAGES, create_prefixed_topics
 from tests.workers.polling import wait_for
 from topics.catalog import REPLIES, request_topic
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.health import WorkerProbes, engine_attribute, start_health_server
+from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
 from workers.worker import Worker
 
@@ -55,11 +56,9 @@ class StallableEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def submit_translation(
-        self, *, request_id: str, text: str, source_lang: str, target_lang: str, **_: Any
-    ) -> RequestHandle:
-        handle = RequestHandle(request_id, lambda _rid: None)
-        self._jobs.put((request_id, text, handle))
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        handle = RequestHandle(request.request_id, lambda _rid: None)
+        self._jobs.put((request.request_id, request.text, handle))
         return handle
 
     def count_tokens(self, text: str) -> int:
@@ -92,28 +91,19 @@ class StallableEngine:
 # -- unit ------------------------------------------------------------------------------------
 
 
-class _Wrapper:
-    """Like ProtectedSpansEngine / CachingEngine: keeps the wrapped engine in `.inner`."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-
-class _Fair:
-    """Like FairEngine: keeps the engine in `.engine`, forwards nothing."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.languages = engine.languages
+def _served(engine: Any) -> Any:
+    """`engine` in the serving pipeline, its stages around it, as the worker gets it."""
+    options = ServingOptions(protect_spans=True, faithful=False)
+    return build_served_engine(engine, Settings(), options)
 
 
-def test_engine_attributes_are_found_through_the_wrapper_chain() -> None:
+def test_the_served_engine_gives_the_engines_heartbeat_and_warm_languages() -> None:
     engine = StallableEngine(warmed={"de"})
     engine.loop_heartbeat = 12.5
-    wrapped = _Wrapper(_Wrapper(_Fair(engine)))
-    assert engine_attribute(wrapped, "loop_heartbeat") == 12.5
-    assert engine_attribute(wrapped, "warmed_languages") == {"de"}
-    assert engine_attribute(_Wrapper(object()), "loop_heartbeat") is None
+    served = _served(engine)
+    assert engine_attribute(served, "loop_heartbeat") == 12.5
+    assert engine_attribute(served, "warmed_languages") == {"de"}
+    assert engine_attribute(_served(StallableEngine()), "loop_heartbeat") is None  # not yet
 
 
 class _StubWorker:
@@ -131,7 +121,7 @@ class _StubWorker:
 
 def test_readiness_needs_subscription_warm_prefixes_and_no_drain() -> None:
     engine = StallableEngine(warmed={"de"})
-    worker = _StubWorker(_Wrapper(_Fair(engine)))
+    worker = _StubWorker(_served(engine))
     probes = WorkerProbes(worker, stall_after_s=5.0)
     assert probes.readiness().reasons == [
         "starting: engine or consumer not started yet",

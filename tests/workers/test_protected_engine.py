@@ -3,6 +3,7 @@ retried unmasked, flagged; notes on the result, outcomes counted, the reply's me
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,12 +12,14 @@ from prometheus_client import CollectorRegistry
 
 from schemas.codec import decode_result, encode_result
 from tests.workers.fakes import FakeEngine, fake_translation
-from workers.engine.types import FinishReason, GenerationResult, RequestHandle
+from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.metrics import WorkerMetrics
-from workers.protected_engine import NOTE_KEY, RETRY_SUFFIX, ProtectedSpansEngine, protect_spans
+from workers.protected_engine import NOTE_KEY, RETRY_SUFFIX, ProtectedSpansEngine
 from workers.protected_spans import DEFAULT_STYLE
 from workers.records import ConsumedRecord, InFlight
 from workers.replies import engine_reply
+from workers.serving.pipeline import ServingOptions, build_served_engine
+from workers.settings import Settings
 
 TEXT = "Order A-12345 arrives at 8:30"
 
@@ -37,12 +40,12 @@ class RewritingEngine(FakeEngine):
         self.unmasked_rewrite = unmasked_rewrite
         self.texts: list[str] = []  # every text submitted, in order
 
-    def submit_translation(self, *, text: str, **kwargs):  # type: ignore[override]
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        text = request.text
         self.texts.append(text)
         masked = DEFAULT_STYLE.token(1) in text
-        return super().submit_translation(
-            text=self.rewrite(text) if masked else self.unmasked_rewrite(text), **kwargs
-        )
+        rewritten = self.rewrite(text) if masked else self.unmasked_rewrite(text)
+        return super().submit_translation(dataclasses.replace(request, text=rewritten))
 
 
 @pytest.fixture
@@ -61,9 +64,7 @@ def make_engine() -> Iterator[Callable[..., tuple[ProtectedSpansEngine, Rewritin
 
 
 def translate(engine: ProtectedSpansEngine, text: str, request_id: str = "r1", **kw: object):
-    handle = engine.submit_translation(
-        request_id=request_id, text=text, source_lang="en", target_lang="de", **kw
-    )
+    handle = engine.submit_translation(TranslationRequest(request_id, text, "en", "de", **kw))  # type: ignore[arg-type]
     return handle.result(timeout=5)
 
 
@@ -166,7 +167,7 @@ def test_cancel_reaches_the_inner_run(make_engine) -> None:
     engine, inner = make_engine()
     inner.hold()
     handle = engine.submit_translation(
-        request_id="c1", text=TEXT, source_lang="en", target_lang="de"
+        TranslationRequest(request_id="c1", text=TEXT, source_lang="en", target_lang="de")
     )
     handle.cancel()
     result = handle.result(timeout=5)
@@ -196,12 +197,12 @@ def test_outcomes_go_to_the_bound_worker_metrics(make_engine) -> None:
 
 def test_wrapper_delegates_the_engine_interface() -> None:
     inner = FakeEngine(model_version="fake-7")
-    engine = protect_spans(inner)
+    engine = ProtectedSpansEngine(inner)
     assert engine.model_version == "fake-7" and engine.languages == inner.languages
     assert engine.count_tokens("a b c") == 3
     inner.model_version = "fake-8"  # read through, never a stale copy
     assert engine.model_version == "fake-8"
-    assert engine.pending() == 0  # anything else is the inner engine's
+    assert not hasattr(engine, "pending")  # nothing else of the inner engine shows through
 
 
 def test_notes_reach_the_reply_metadata_and_the_wire() -> None:
@@ -254,7 +255,8 @@ def test_worker_with_protected_spans_replies_with_metadata_and_counts() -> None:
     from tests.workers.test_worker_fake_engine import make_rig, request_bytes
 
     inner = FakeEngine()
-    rig = make_rig(engine=protect_spans(inner))
+    options = ServingOptions(faithful=False, protect_spans=True)
+    rig = make_rig(engine=build_served_engine(inner, Settings(), options))
     try:
         rig.send(request_bytes("p1", TEXT), "de", key=b"p1")
         rig.send(request_bytes("p2", "no spans here"), "de", key=b"p2")

@@ -11,6 +11,7 @@ import pytest
 
 from bench.mask_forms import spanned_sentences
 from workers.engine.engine import Engine, EngineConfig
+from workers.engine.types import TranslationRequest
 from workers.protected_engine import NOTE_KEY, ProtectedSpansEngine
 from workers.protected_spans import preservation
 
@@ -31,7 +32,7 @@ def test_spans_survive_masking_and_restore(gemma3: Any) -> None:
     try:
         handles = [
             engine.submit_translation(
-                request_id=f"s{i}", text=text, source_lang=src, target_lang=tgt
+                TranslationRequest(request_id=f"s{i}", text=text, source_lang=src, target_lang=tgt)
             )
             for i, (text, src, tgt) in enumerate(items)
         ]

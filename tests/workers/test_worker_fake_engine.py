@@ -6,6 +6,7 @@ shutdown. test_worker_kafka.py runs the same kinds of traffic through the real b
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from schemas.codec import decode_dead_letter, decode_result, encode_request, enc
 from tests.workers.fakes import FAIL_MARKER, FakeBroker, FakeEngine, fake_translation
 from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
-from workers.engine.types import FinishReason
+from workers.engine.types import FinishReason, TranslationRequest
 from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy
 from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
@@ -231,9 +232,9 @@ class _RecordsDeadlines(FakeEngine):
         super().__init__()
         self.received: dict[str, tuple[float | None, float]] = {}
 
-    def submit_translation(self, **kw: Any) -> Any:
-        self.received[kw["request_id"]] = (kw["deadline"], time.monotonic())
-        return super().submit_translation(**kw)
+    def submit_translation(self, request: TranslationRequest) -> Any:
+        self.received[request.request_id] = (request.deadline, time.monotonic())
+        return super().submit_translation(request)
 
 
 def test_deadline_reaching_the_engine_is_converted_to_monotonic() -> None:
@@ -481,9 +482,8 @@ def test_settings_from_env_and_secret_masking() -> None:
 class _IgnoresDeadlines(FakeEngine):
     """An engine that finishes OK whatever the deadline (as a plain Engine may, once admitted)."""
 
-    def submit_translation(self, **kw: Any) -> Any:
-        kw["deadline"] = None
-        return super().submit_translation(**kw)
+    def submit_translation(self, request: TranslationRequest) -> Any:
+        return super().submit_translation(dataclasses.replace(request, deadline=None))
 
 
 def test_no_ok_reply_after_the_deadline() -> None:
@@ -504,19 +504,16 @@ def test_no_ok_reply_after_the_deadline() -> None:
 
 def test_the_engine_gets_each_request_conversation_id() -> None:
     """`EngineRuns` hands every engine the request's `conversation_id` (an empty one as None),
-    and the wrappers of `tolk worker --protect-spans` without `--context` (the cache outermost,
-    then span protection, the faithfulness guard innermost) pass it on to the engine, a masked
-    run included."""
-    from workers.cache_engine import with_translation_cache
-    from workers.faithful_engine import faithful
-    from workers.protected_engine import protect_spans
+    and the stages of `tolk worker --protect-spans` without `--context` (the cache, span
+    protection, the faithfulness guard, as the builder composes them) pass it on to the engine,
+    a masked run included."""
+    from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.tm.redis_cache import InMemoryTranslationCache
 
     plain = make_rig()
     inner = FakeEngine()
-    chain = protect_spans(faithful(inner))
-    cached = with_translation_cache(chain, Settings(), l2=InMemoryTranslationCache())
-    wrapped = make_rig(engine=cached)
+    options = ServingOptions(protect_spans=True, cache=True, cache_l2=InMemoryTranslationCache())
+    wrapped = make_rig(engine=build_served_engine(inner, Settings(), options))
     try:
         for rig in (plain, wrapped):
             rig.send(request_bytes("c1", conversation_id="conv-7"), "de", key=b"c1")

@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -72,6 +72,7 @@ from workers.engine.types import (
     RequestQueue,
     SamplingParams,
     StepRecord,
+    TranslationRequest,
 )
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: engine_config.py
@@ -163,9 +164,6 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         # Read by the worker's probes (workers/health.py), written by one thread each:
         self.loop_heartbeat: float | None = None  # monotonic time the loop last came round
         self.warmed_languages: set[str] = set()  # languages whose prompt prefix warm() cached
-        # (request id, prompt form) -> conversation history ids that go right after the
-        # prompt's prefix (workers/context_engine.py installs it); None: no history
-        self.prompt_history: Callable[[str, str | None], Sequence[int] | None] | None = None
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
@@ -211,29 +209,22 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         self._cancels.put(request_id)
         self._wake.set()
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        prompt_form: str | None = None,
-        conversation_id: str | None = None,  # ignored: history comes by `prompt_history`
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
-        return self.submit(
-            self.translation_request(
-                text,
-                source_lang,
-                target_lang,
-                request_id=request_id,
-                deadline=deadline,
-                max_new_tokens=max_new_tokens,
-                prompt_form=prompt_form,
-            )
+        return self.submit(self.generation_request(request))
+
+    def generation_request(self, request: TranslationRequest) -> GenerationRequest:
+        """The engine's request for one translation: its prompt built (`translation_request`)."""
+        return self.translation_request(
+            request.text,
+            request.source_lang,
+            request.target_lang,
+            request_id=request.request_id,
+            deadline=request.deadline,
+            max_new_tokens=request.max_new_tokens,
+            prompt_form=request.prompt_form,
+            examples=request.examples,
+            history=request.history,
         )
 
     def translation_request(
@@ -248,15 +239,16 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         ignore_eos: bool = False,
         prompt_form: str | None = None,
         examples: Sequence[tuple[str, str]] = (),
+        history: Sequence[int] = (),
     ) -> GenerationRequest:
         """`prompt_form`: a form of prompts.json (None: the engine's default form); the
         faithfulness wrapper retries a suspect translation with the template's retry form.
         `examples`: (source, target) pairs after the cached prefix, before the query (the
-        retrieved translation-memory examples of workers/tm_engine.py)."""
+        retrieved translation-memory examples of workers/tm_engine.py). `history`: token ids of
+        the conversation so far (workers/context_engine.py), between the cached prefix and the
+        rest."""
         ids, prefix_len = self.prompts.build(text, source_lang, target_lang, prompt_form, examples)
-        hook = self.prompt_history
-        history = hook(request_id, prompt_form) if hook is not None and request_id else None
-        if history:  # the conversation so far, between the cached prefix and the rest
+        if history:
             ids[prefix_len:prefix_len] = history
         stop_nl = self.prompts.stop_rules.stop_at_newline and not ignore_eos
         params = SamplingParams(

@@ -54,6 +54,28 @@ class GenerationRequest:
     expected_output_tokens: int = 0  # estimate for admission and cost models (0 = unknown)
 
 
+@dataclass(frozen=True, slots=True)
+class TranslationRequest:
+    """One translation as it passes down the serving stages (workers/serving/pipeline.py) to
+    the engine: everything a stage reads or sets, so nothing travels as a side channel. A stage
+    that changes what the engine sees passes on a copy (`dataclasses.replace`)."""
+
+    request_id: str  # the reply's id; a stage's rerun goes under `<id><suffix>`
+    text: str  # what the engine translates (the protected-spans stage passes a masked copy)
+    source_lang: str  # "" = unknown
+    target_lang: str
+    deadline: float | None = None  # absolute time.monotonic() by which it must finish
+    max_new_tokens: int | None = None  # None: the engine's default (the faithful guard sets it)
+    # the request's conversation (the context stage keeps its history; the others pass it on)
+    conversation_id: str | None = None
+    prompt_form: str | None = None  # a form of prompts.json; None: the engine's default
+    # token ids of the conversation so far, put between the cached prefix and the query (set
+    # by the context stage on a turn with history; a stage's rerun goes without them)
+    history: tuple[int, ...] = ()
+    # retrieved (source, target) examples after the prefix, before the query (workers/tm_engine.py)
+    examples: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass(slots=True)
 class Timings:
     queue_s: float = 0.0  # arrival -> first scheduled
@@ -73,9 +95,18 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: Timings = field(default_factory=Timings)
     error: str = ""  # set when finish_reason is ERROR / REJECTED / EXPIRED
-    # Tags for the reply's metadata (workers.replies copies them), e.g. what the protected-span
-    # wrapper did (workers.protected_engine); never metric labels.
+    # Tags for the reply's metadata (workers.replies copies them, in this order), e.g. what the
+    # protected-span stage did; keys from workers/reply_metadata.py only; never metric labels.
     notes: Mapping[str, str] = field(default_factory=dict)
+    # What the serving stages did (workers/serving/pipeline.py), as declared fields: code reads
+    # these (the cache's rule, workers/tm/cache_policy.py), never the strings of `notes`
+    cache_tier: str = ""  # how the exact-match cache answered: l1 / l2 / miss / joined
+    faithful: str = ""  # the faithfulness outcome of a suspect answer: retried/flagged/withheld
+    spans: str = ""  # span protection's outcome: restored/skipped/retried_unmasked/flagged
+    retries: int = 0  # reruns stages made for it (faithfulness, unmasked, without history)
+    flagged: bool = False  # a stage sent it though its checks still doubt it
+    finish_detail: str = ""  # a stage's finer finish reason: "length_guard" (the guard's cap)
+    examples_used: int = 0  # retrieved translation-memory examples its prompt showed
 
     @property
     def ok(self) -> bool:
@@ -171,19 +202,7 @@ class TranslationEngine(Protocol):
     def languages(self) -> tuple[str, ...]:  # supported language codes (source and target)
         ...
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,  # absolute time.monotonic()
-        max_new_tokens: int | None = None,
-        # the request's conversation: used by an engine that keeps context
-        # (workers/context_engine.py), passed on by wrappers, ignored by the others
-        conversation_id: str | None = None,
-    ) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         """Queue one translation; raises UnsupportedLanguage for an unknown pair."""
         ...
 

@@ -37,6 +37,7 @@ from workers.engine.types import (
     GenerationResult,
     RequestHandle,
     Timings,
+    TranslationRequest,
 )
 from workers.fairness.latency_model import LatencyModel
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, LanguagePolicy
@@ -97,28 +98,8 @@ class FairEngine:
 
     # -- TranslationEngine ---------------------------------------------------------------------
 
-    def submit_translation(
-        self,
-        *,
-        request_id: str,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        deadline: float | None = None,
-        max_new_tokens: int | None = None,
-        prompt_form: str | None = None,
-        conversation_id: str | None = None,  # ignored, as by the engine it queues for
-    ) -> RequestHandle:
-        request = self.engine.translation_request(
-            text,
-            source_lang,
-            target_lang,
-            request_id=request_id,
-            deadline=deadline,
-            max_new_tokens=max_new_tokens,
-            prompt_form=prompt_form,
-        )
-        return self.submit(request)
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        return self.submit(self.engine.generation_request(request))
 
     def count_tokens(self, text: str) -> int:
         return self.engine.count_tokens(text)

@@ -3,7 +3,7 @@
 Two requests may share a cached translation only if the same engine would produce the same
 text for both, so the key holds everything that decides the output:
 
-* the engine fingerprint: the model version, the A/B arm, the wrappers inside the cache
+* the engine fingerprint: the model version, the A/B arm, the stages inside the cache
   (protected spans, faithful output, ...) and runtime variants that change tokens (int8
   weights); `CachingEngine` builds it (`engine_fingerprint`);
 * the prompt-set version (`workers.engine.prompts.prompt_set_version()`: a hash of
@@ -12,7 +12,8 @@ text for both, so the key holds everything that decides the output:
   form's name by the engine's `PromptBuilder.default_form`; "" for an engine without one):
   the same prompts.json with another form (other examples, zero-shot) gives other
   translations, so an engine started with a `prompt_form` override never shares entries with
-  one on the template's default (`CachingEngine` looks it up, `engine_prompt_form`);
+  one on the template's default (the builder, workers/serving/pipeline.py, gives the cache
+  the engine's default form);
 * the source and the target language ("" = detect is a value of its own);
 * the text, normalized: Unicode NFC (a composed and a decomposed "ü" are one text) and runs
   of whitespace collapsed to one space, the ends stripped. Case is kept: "ok" and "OK" may

@@ -49,8 +49,8 @@ from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic, r
 from workers.arm_control import read_share_table
 from workers.arms import split_arm
 from workers.cli import app
-from workers.drill_engine import DrillEngine, parse_drill
 from workers.guard.events import read_events
+from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
 from workers.worker import Worker
 
@@ -118,9 +118,11 @@ def run_rollout(
             max_in_flight=4096,
         )
         engine: Any = make_engine() if make_engine else FakeEngine(languages=("en", *LANGS))
-        if arm == "v2" and drill:
-            engine = DrillEngine(engine, [parse_drill("latency", drill)])
-        worker = Worker(settings, engine, registry=CollectorRegistry())
+        drills = (drill,) if arm == "v2" and drill else ()
+        served = build_served_engine(
+            engine, settings, ServingOptions(faithful=False, drill_latency=drills)
+        )  # as `tolk worker --no-faithful --no-cache [--drill-inject-latency ...]` serves it
+        worker = Worker(settings, served, registry=CollectorRegistry())
         workers.append((worker, worker.run_in_thread()))
     for worker, thread in workers:
         wait_assigned(worker, thread, timeout=30)

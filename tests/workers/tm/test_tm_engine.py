@@ -15,17 +15,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from workers.cache_engine import engine_fingerprint, engine_prompt_form
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import (
     FinishReason,
-    GenerationRequest,
     GenerationResult,
     RequestHandle,
-    SamplingParams,
+    TranslationRequest,
 )
+from workers.serving.pipeline import ServingOptions, build_served_engine
+from workers.settings import Settings
 from workers.tm.formats import TMPair
 from workers.tm.phrase_index import IndexMismatchError, PhraseIndex, PhraseIndexes
+from workers.tm.redis_cache import InMemoryTranslationCache
 from workers.tm.store import TranslationMemoryDir
 from workers.tm_engine import (
     EXAMPLES_KEY,
@@ -168,39 +169,32 @@ def test_the_tm_digest_changes_with_one_pair(tmp_path: Path, tm_dir: Path) -> No
 
 
 class PromptEngine:
-    """What the wrapper needs of the engine: `translation_request` (recorded) and `submit`
-    (answers at once, "<n examples>:<text>")."""
+    """The engine under the stage: records each request (its examples) and answers at once,
+    "<n examples>:<text>"."""
 
     model_version = "fake-model"
     languages = ("en", "de")
 
     def __init__(self) -> None:
         self.prompts = builder()
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[TranslationRequest] = []
         self.cancelled: list[str] = []
 
-    def translation_request(self, text: str, source_lang: str, target_lang: str,
-                            **kw: Any) -> GenerationRequest:  # fmt: skip
-        self.calls.append({"text": text, **kw})
-        ids, _ = self.prompts.build(text, source_lang, target_lang, examples=kw["examples"])
-        return GenerationRequest(kw["request_id"], ids, SamplingParams(), group=target_lang)
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        self.calls.append(request)
+        self.prompts.build(request.text, request.source_lang, request.target_lang,
+                           examples=request.examples)  # fmt: skip
         handle = RequestHandle(request.request_id, self.cancelled.append)
-        n = len(self.calls[-1]["examples"])
         handle.set_result(
             GenerationResult(
                 request.request_id,
                 [7],
-                f"{n}:{self.calls[-1]['text']}",
+                f"{len(request.examples)}:{request.text}",
                 FinishReason.STOP,
                 notes={"inner": "kept"},
             )  # fmt: skip
         )
         return handle
-
-    def submit_translation(self, **kw: Any) -> RequestHandle:  # the plain path (unused here)
-        raise AssertionError("the wrapper must build the request itself")
 
     def count_tokens(self, text: str) -> int:
         return len(text)
@@ -212,9 +206,7 @@ class PromptEngine:
 
 def submit(engine: RetrievedExamplesEngine, text: str, src: str = "en", tgt: str = "de",
            **kw: Any) -> GenerationResult:  # fmt: skip
-    handle = engine.submit_translation(
-        request_id="r1", text=text, source_lang=src, target_lang=tgt, **kw
-    )
+    handle = engine.submit_translation(TranslationRequest("r1", text, src, tgt, **kw))
     return handle.result(1)
 
 
@@ -224,8 +216,8 @@ def test_each_request_is_prompted_with_its_retrieved_pairs(tm_dir: Path) -> None
     result = submit(engine, "Where is my order?", deadline=5.0, prompt_form="short_mix8")
     assert result.text == "2:Where is my order?" and result.ok
     (call,) = inner.calls
-    assert call["examples"][-1] == ("Where is my order?", "Wo ist meine Bestellung?")
-    assert call["deadline"] == 5.0 and call["prompt_form"] == "short_mix8"  # passed through
+    assert call.examples[-1] == ("Where is my order?", "Wo ist meine Bestellung?")
+    assert call.deadline == 5.0 and call.prompt_form == "short_mix8"  # passed through
     assert result.notes == {"inner": "kept", EXAMPLES_KEY: "2", SIMILARITY_KEY: "1.000"}
     assert engine.outcomes[("de", "retrieved")] == 1 and len(engine.retrieval_seconds) == 1
 
@@ -251,7 +243,7 @@ def test_a_pair_without_index_is_translated_with_the_fixed_examples(tm_dir: Path
     engine = RetrievedExamplesEngine(inner, retriever(tm_dir))
     result = submit(engine, "Hallo", src="de", tgt="en")
     assert result.text == "0:Hallo" and result.notes[NOTE_KEY] == "no_index"
-    assert inner.calls[0]["examples"] == ()
+    assert inner.calls[0].examples == ()
 
 
 def test_a_failing_retrieval_never_loses_the_request(tm_dir: Path) -> None:
@@ -270,27 +262,22 @@ def test_cancel_reaches_the_engine(tm_dir: Path) -> None:
     inner = PromptEngine()
     engine = RetrievedExamplesEngine(inner, retriever(tm_dir))
     engine.submit_translation(
-        request_id="r9", text="x", source_lang="en", target_lang="de"
+        TranslationRequest(request_id="r9", text="x", source_lang="en", target_lang="de")
     ).cancel()
     assert inner.cancelled == ["r9"]
 
 
-def test_an_engine_without_prompts_is_refused(tm_dir: Path) -> None:
-    class NoPrompts:
-        model_version = "m"
-
-    with pytest.raises(TypeError, match="innermost"):
-        RetrievedExamplesEngine(NoPrompts(), retriever(tm_dir))  # type: ignore[arg-type]
-
-
 def test_the_cache_key_tells_the_arms_apart(tm_dir: Path) -> None:
-    plain = PromptEngine()
-    k2 = RetrievedExamplesEngine(PromptEngine(), retriever(tm_dir, k=2))
-    k4 = RetrievedExamplesEngine(PromptEngine(), retriever(tm_dir, k=4))
-    prints = {engine_fingerprint(e) for e in (plain, k2, k4)}  # type: ignore[arg-type]
+    def fingerprint(retrieved: Any) -> str:  # the cache's key, as the builder composes it
+        options = ServingOptions(faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
+                                 retriever=retrieved)  # fmt: skip
+        cache = build_served_engine(PromptEngine(), Settings(), options).stage("cache")
+        assert cache.prompt_form == builder().default_form
+        return str(cache.fingerprint)
+
+    prints = {fingerprint(r) for r in (None, retriever(tm_dir, k=2), retriever(tm_dir, k=4))}
     assert len(prints) == 3
-    assert "RetrievedExamplesEngine[tm(k=4," in engine_fingerprint(k4)
-    assert engine_prompt_form(k4) == engine_prompt_form(plain) == builder().default_form
+    assert "RetrievedExamplesEngine[tm(k=4," in fingerprint(retriever(tm_dir, k=4))
 
 
 # -- `tolk worker --tm-examples` -----------------------------------------------------------------
@@ -331,7 +318,8 @@ def test_tolk_worker_puts_retrieval_innermost_under_the_faithful_checks(
     monkeypatch.setattr(tm_engine, "open_retriever", fake_open)
     result, engines = run_worker(monkeypatch, ["--tm-examples", "3", "--tm-dir", str(tm_dir)])
     assert result.exit_code == 0, result.output
-    (engine,) = engines
+    (served,) = engines
+    engine = served.entry
     assert isinstance(engine, FaithfulEngine) and engine.retry  # its retry form still works
     assert isinstance(engine.inner, RetrievedExamplesEngine)
     assert isinstance(engine.inner.inner, PromptEngine) and opened == [(tm_dir, 3)]
@@ -346,8 +334,8 @@ def test_tolk_worker_refuses_a_tm_of_another_embedder_before_loading_the_model(
 
 
 def test_tolk_worker_without_the_option_has_no_retrieval(monkeypatch: pytest.MonkeyPatch) -> None:
-    result, (engine,) = run_worker(monkeypatch, ["--no-faithful"])
-    assert result.exit_code == 0 and isinstance(engine, PromptEngine)
+    result, (served,) = run_worker(monkeypatch, ["--no-faithful"])
+    assert result.exit_code == 0 and isinstance(served.entry, PromptEngine)
 
 
 def test_tolk_worker_withholds_by_default_and_takes_the_flag_policy(
@@ -355,11 +343,11 @@ def test_tolk_worker_withholds_by_default_and_takes_the_flag_policy(
 ) -> None:
     from workers.faithful_engine import FaithfulEngine
 
-    result, (engine,) = run_worker(monkeypatch, [])
-    assert result.exit_code == 0 and isinstance(engine, FaithfulEngine)
-    assert engine.policy == "withhold"
-    result, (engine,) = run_worker(monkeypatch, ["--faithful-policy", "flag"])
-    assert result.exit_code == 0 and engine.policy == "flag"
+    result, (served,) = run_worker(monkeypatch, [])
+    assert result.exit_code == 0 and isinstance(served.entry, FaithfulEngine)
+    assert served.entry.policy == "withhold"
+    result, (served,) = run_worker(monkeypatch, ["--faithful-policy", "flag"])
+    assert result.exit_code == 0 and served.entry.policy == "flag"
     result, engines = run_worker(monkeypatch, ["--faithful-policy", "drop"])
     assert result.exit_code == 2 and engines == []  # refused before the model loads
     assert "--faithful-policy" in result.output

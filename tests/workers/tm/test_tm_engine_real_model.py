@@ -11,6 +11,7 @@ import pytest
 
 from tests.workers.tm.test_tm_engine import TM_PAIRS, HashEmbedder
 from workers.engine.engine import Engine, EngineConfig
+from workers.engine.types import TranslationRequest
 from workers.tm.phrase_index import PhraseIndex, PhraseIndexes
 from workers.tm.store import TranslationMemoryDir
 from workers.tm_engine import EXAMPLES_KEY, ExampleRetriever, RetrievedExamplesEngine
@@ -50,7 +51,9 @@ def test_the_wrapper_translates_through_the_running_engine(engine: Engine, tmp_p
     wrapped.start()
     try:
         result = wrapped.submit_translation(
-            request_id="r1", text="Where is my order?", source_lang="en", target_lang="de"
+            TranslationRequest(
+                request_id="r1", text="Where is my order?", source_lang="en", target_lang="de"
+            )
         ).result(120)
     finally:
         wrapped.stop()

@@ -1,0 +1,248 @@
+"""The serving pipeline: `build_served_engine`, the one place that composes the serving stages
+around the fair engine, in the order of `STAGES`.
+
+Each stage is a `TranslationEngine` that wraps the one inside it (workers/engine_wrapper.py)
+and changes how a request (`workers.engine.types.TranslationRequest`) is submitted or
+answered. Their order is part of what each one means, so it is declared here, once; `tolk
+worker`, `tolk demo`, the benchmarks and the tests only choose which are on
+(`ServingOptions`). From the outside in:
+
+1. drills (`--drill-inject-latency|errors`, workers/drill_engine.py): outermost, so that every
+   reply of the arm is drilled as the flag says: cache hits, and contextual turns, which go
+   around everything the context stage wraps (the drill once sat inside the context stage,
+   and a context arm's turns with history skipped it: a rollback drill injected less than it
+   said). The drill changes what the arm replies, not what the model did: a drilled turn's
+   real answer is still the conversation's history (as a cache entry it was already).
+2. conversation context (`--context`, workers/context_engine.py): it sends a turn with history
+   to `uncached` (what the cache wraps: the cache must not answer it nor keep its answer) and
+   any other turn through the cache;
+3. the exact-match cache (`--cache`, workers/cache_engine.py): a hit skips 4-6; its key names
+   the stages below it (`engine_fingerprint`), so an arm with other stages never shares an
+   entry;
+4. span protection (`--protect-spans`, workers/protected_engine.py): it masks before the
+   faithfulness checks see the answer, and its unmasked retry is checked too;
+5. faithfulness (`--faithful`, workers/faithful_engine.py): its retry asks for the template's
+   other prompt form (`retry_form`, given here from the engine's prompt builder);
+6. retrieved examples (`--tm-examples`, workers/tm_engine.py): innermost, it puts the examples
+   into the request, so the faithfulness retry shows the same ones.
+
+Nothing else constructs a stage (tests/workers/test_pipeline.py checks the source). What the
+worker reads of the engine besides the request path (the fair queue's snapshot, the engine's
+stats, heartbeat and warm languages) the `ServedEngine` gives it explicitly; no stage lets
+attributes of the engine inside show through.
+
+Adding a stage: docs/ARCHITECTURE.md, "Adding a stage".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.types import RequestHandle, TranslationEngine, TranslationRequest
+from workers.engine_wrapper import EngineWrapper
+from workers.serving.fair_engine import FairEngine
+
+__all__ = [
+    "STAGES",
+    "ServedEngine",
+    "ServingOptions",
+    "Stage",
+    "build_served_engine",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """Which stages are on (`tolk worker`'s flags), and their parameters."""
+
+    retriever: Any = None  # a phrase-index retriever (--tm-examples), None = off
+    faithful: bool = True
+    faithful_policy: str = "withhold"
+    max_new_tokens: int = 256  # the faithfulness length guard's default cap
+    protect_spans: bool = False
+    cache: bool = False
+    cache_variant: str = ""  # part of the cache's fingerprint (e.g. the quantization)
+    cache_l2: Any = None  # the cache's L2 store (None: the Redis of `settings`; tests)
+    drill_latency: Sequence[str] = ()
+    drill_errors: Sequence[str] = ()
+    context: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # options of a stage added to `STAGES`
+
+
+@dataclass(slots=True)
+class Build:
+    """What a stage's factory gets besides the engine it wraps."""
+
+    settings: Any  # workers.settings.Settings (cache and context parameters, the arm)
+    options: ServingOptions
+    core: TranslationEngine  # the fair engine (or a test's engine)
+    prompts: Any  # the engine's prompt builder (None for an engine without one)
+    below: dict[str, TranslationEngine] = field(default_factory=dict)  # stage -> what it wraps
+    layers: list[TranslationEngine] = field(default_factory=list)  # built so far, inside out
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One serving stage: its name, whether `options` turn it on, and its factory."""
+
+    name: str
+    wanted: Callable[[ServingOptions], bool]
+    wrap: Callable[[TranslationEngine, Build], TranslationEngine]
+
+
+def _drills(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.drill_engine import DrillEngine, parse_drill
+
+    latency, errors = b.options.drill_latency, b.options.drill_errors
+    faults = [parse_drill("latency", s) for s in latency] + [
+        parse_drill("error", s) for s in errors
+    ]
+    return DrillEngine(inner, faults)
+
+
+def _context(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.context import ConversationMemory
+    from workers.context_engine import ContextEngine
+
+    if b.prompts is None:
+        raise ValueError("conversation context needs the engine's prompt builder")
+    s = b.settings
+    memory = ConversationMemory(s.context_tokens, idle_s=s.context_idle_s, layout=s.context_layout)
+    # a turn with history goes around the cache: to what the cache wraps, if it is on
+    uncached = b.below.get("cache", inner)
+    return ContextEngine(inner, prompts=b.prompts, memory=memory, uncached=uncached)
+
+
+def _cache(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.cache_engine import CachingEngine, engine_fingerprint
+    from workers.engine.prompts import prompt_set_version
+    from workers.tm.redis_cache import RedisTranslationCache
+
+    s, o = b.settings, b.options
+    l2 = o.cache_l2
+    if l2 is None:
+        l2 = RedisTranslationCache(s.redis_url, s.cache_ttl, socket_timeout_s=s.store_timeout_s)
+    arm = f"arm={s.arm}" if s.arm else ""
+    variant = ",".join(v for v in (arm, o.cache_variant) if v)
+    return CachingEngine(
+        inner,
+        l1_capacity=s.cache_l1_entries,
+        l1_shares={lang: 1.0 for lang in s.languages},
+        l2=l2,
+        prompt_set_version=prompt_set_version(),
+        fingerprint=engine_fingerprint(inner.model_version, b.layers[::-1], variant),
+        prompt_form=b.prompts.default_form if b.prompts is not None else "",
+        l2_patience_s=s.store_patience_s,
+    )
+
+
+def _protect_spans(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.protected_engine import ProtectedSpansEngine
+
+    return ProtectedSpansEngine(inner)
+
+
+def _faithful(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.faithful_engine import FaithfulEngine
+
+    retry_form = b.prompts.retry_form if b.prompts is not None else None
+    return FaithfulEngine(
+        inner,
+        policy=b.options.faithful_policy,
+        default_max_new_tokens=b.options.max_new_tokens,
+        retry_form=retry_form,
+    )
+
+
+def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.tm_engine import RetrievedExamplesEngine
+
+    return RetrievedExamplesEngine(inner, b.options.retriever)
+
+
+# The order, from the outside in (module notes): the one list.
+STAGES: tuple[Stage, ...] = (
+    Stage("drill", lambda o: bool(o.drill_latency or o.drill_errors), _drills),
+    Stage("context", lambda o: o.context, _context),
+    Stage("cache", lambda o: o.cache, _cache),
+    Stage("protect_spans", lambda o: o.protect_spans, _protect_spans),
+    Stage("faithful", lambda o: o.faithful, _faithful),
+    Stage("examples", lambda o: o.retriever is not None, _examples),
+)
+
+
+class ServedEngine(EngineWrapper):
+    """What the worker serves: the outermost stage's request path (the pass-through of
+    `EngineWrapper`), the stages by name, and what the worker reads of the engine inside,
+    given explicitly."""
+
+    def __init__(
+        self,
+        entry: TranslationEngine,
+        core: TranslationEngine,
+        base: Any,
+        stages: dict[str, TranslationEngine],
+    ) -> None:
+        self.inner = entry  # the outermost stage (the core when no stage is on)
+        self.core = core
+        self.base = base  # the Engine that builds the prompts (None for a test's engine)
+        self.stages = stages  # name -> stage, as built
+        fair = core if isinstance(core, FairEngine) else None
+        # read by the worker's gauges (workers/worker.py): None where the engine has none
+        self.queue_snapshot = fair.queue_snapshot if fair is not None else None
+        self.stats_snapshot = getattr(fair or base, "stats_snapshot", None)
+
+    @property
+    def entry(self) -> TranslationEngine:
+        return self.inner
+
+    def stage(self, name: str) -> Any:
+        """The stage `name` as built (KeyError when it is off)."""
+        return self.stages[name]
+
+    # the health probe's (workers/health.py); None for an engine that does not report them
+    @property
+    def warmed_languages(self) -> Any:
+        return getattr(self.base, "warmed_languages", None)
+
+    @property
+    def loop_heartbeat(self) -> Any:
+        return getattr(self.base, "loop_heartbeat", None)
+
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        return self.inner.submit_translation(request)
+
+    def bind_metrics(self, metrics: Any) -> None:
+        """Every stage counts in the worker's metrics from now on."""
+        for stage in self.stages.values():
+            stage.bind_metrics(metrics)  # type: ignore[attr-defined]
+
+
+def build_served_engine(
+    core: TranslationEngine,
+    settings: Any,
+    options: ServingOptions,
+    *,
+    base: Any = None,
+    stages: Sequence[Stage] = STAGES,
+) -> ServedEngine:
+    """`core` (the fair engine) in the stages `options` turn on, in the order of `stages`
+    (outermost first; `STAGES` unless a test adds one). `base`: the engine that builds the
+    prompts (default: the fair engine's own `Engine`, else `core` itself);
+    `settings`: `workers.settings.Settings` (cache and context parameters, the arm)."""
+    if base is None:
+        base = core.engine if isinstance(core, FairEngine) else core
+    prompts = getattr(base, "prompts", None)  # None: no prompt builder (a test's engine)
+    b = Build(settings, options, core, prompts, layers=[core])
+    served = core
+    built: dict[str, TranslationEngine] = {}
+    for stage in reversed(stages):  # inside out
+        if not stage.wanted(options):
+            continue
+        b.below[stage.name] = served
+        served = stage.wrap(served, b)
+        built[stage.name] = served
+        b.layers.append(served)
+    return ServedEngine(served, core, base, built)
