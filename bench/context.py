@@ -8,7 +8,7 @@ first `--max-turns` turns, turns in the order spoken (customer de->en, agent en-
    form, no wrappers, the same `--max-new-tokens`): `plain` (every turn alone) and `context`
    (the context stage over the engine as `tolk worker --context` composes it,
    `workers.serving.pipeline.build_served_engine`, history budget `--budget`, history layout
-   `--layout`: one direction's turns or the whole dialogue, `workers/context.py`); with
+   `--layout`: one direction's turns or the whole dialogue, `workers/stages/context/rules.py`); with
    `--faithful` both passes run under the faithfulness checks as `tolk worker` does (policy
    `flag`, so every answer is scored; the outcomes are counted per pass). A pass goes round by
    round: round r submits the r-th turn of every dialogue at once and runs them to completion
@@ -58,8 +58,6 @@ from bench._common import machine_info, parse_csv, write_json
 from replay.datasets import Utterance, bcontrast
 from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap, verdict
-from workers.context import DEFAULT_LAYOUT, LAYOUTS
-from workers.context_engine import ContextEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import (
     GenerationRequest,
@@ -71,6 +69,8 @@ from workers.engine.types import (
 )
 from workers.serving.pipeline import ServedEngine, ServingOptions, build_served_engine
 from workers.settings import Settings
+from workers.stages.context.rules import DEFAULT_LAYOUT, LAYOUTS
+from workers.stages.context.stage import ContextEngine
 
 DIRECTIONS = ("de-en", "en-de")
 

@@ -10,7 +10,8 @@ Test set (nothing of it is used to fit the length caps, `bench/length_caps.py`):
 Variants (one model load per model, every variant on the same items):
 - `before`: the service as it was before issue #18, at this commit: prompt form `support8`,
   the language's `max_new_tokens` (256) as the only cap, no checks;
-- `after`: the default prompt form under `workers.faithful_engine.FaithfulEngine` (length guard,
+- `after`: the default prompt form under `workers.stages.faithful.stage.FaithfulEngine` (length
+guard,
   leak/ratio/loop checks, one retry with the retry form, else withheld: the default policy), as
   `tolk worker` runs; `after_flag` is the same run under the `flag` policy (each withheld
   answer's candidate sent, flagged), derived from it, not run again;
@@ -19,7 +20,8 @@ Variants (one model load per model, every variant on the same items):
 - `after:DEFAULT:RETRY`: `after` with other default and retry forms (the review of the
   guarded service, e.g. an earlier round's forms on the same items).
 
-Per (model, variant, pair): leak rate (`workers.faithful.leaked_example` over every example of
+Per (model, variant, pair): leak rate (`workers.stages.faithful.rules.leaked_example` over every
+example of
 every set), length-ratio outliers (characters of output / source > 3 or < 0.3, the issue's
 definition, beside the references' own rate), n-gram loops, stops at a cap, answers longer than
 their cap (must be 0), flagged and withheld answers (the detectors count translations sent: a
@@ -61,10 +63,10 @@ from workers import reply_metadata
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
 from workers.engine.types import FinishReason, GenerationResult, TranslationRequest
-from workers.faithful import leaked_example, length_ratio, ngram_loop
-from workers.faithful_engine import CANDIDATE_KEY, NOTE_KEY, FaithfulEngine
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
+from workers.stages.faithful.rules import leaked_example, length_ratio, ngram_loop
+from workers.stages.faithful.stage import CANDIDATE_KEY, NOTE_KEY, FaithfulEngine
 
 LANGUAGE_CAP = 256  # DEFAULT_MAX_NEW_TOKENS of workers/fairness/policy.py
 BEFORE_FORM = "support8"

@@ -1,7 +1,8 @@
 """Fit the length guard's caps (`workers/length_caps.json`) on the parallel data in `data/`.
 
 For each model's tokenizer and each language pair, the (source tokens, reference tokens) of
-every parallel sentence go to `workers.faithful.fit_length_cap`: the `slope * source + intercept`
+every parallel sentence go to `workers.stages.faithful.rules.fit_length_cap`: the `slope * source +
+intercept`
 cap with the smallest mean that still covers 99.5 % of the references. The data: FLORES-200
 devtest (all 20 directions between en, de, fr, es, it: long, formal sentences), Tatoeba from
 line 100 on (en <-> de/fr/es/it both ways: short everyday sentences; lines 0-99 are kept for
@@ -21,7 +22,7 @@ from typing import Any
 
 from bench._common import write_json
 from replay.datasets import bcontrast, flores, tatoeba_pairs
-from workers.faithful import COVERAGE, fit_length_cap
+from workers.stages.faithful.rules import COVERAGE, fit_length_cap
 
 LANGS = ("en", "de", "fr", "es", "it")
 BENCH_TATOEBA_LINES = 100  # Tatoeba lines 0-99 belong to bench/faithful.py's test set

@@ -16,7 +16,7 @@ two behaviours at the same time, so both see the same load:
   `RedisTranslationCache` in `CacheBreaker`, 0.3 s socket timeout, 1 s retry_after;
 * `old`: patience 0 (a timeout opens the breaker at once, as before) and a failed result write
   is dropped ("not stored"); `new`: patience `--patience-s` (2 s, the default setting) and a
-  failed write is kept and written again (`workers.unstored.UnstoredResults`).
+  failed write is kept and written again (`workers.store.unstored.UnstoredResults`).
 
 Each process records every Redis call (`bench.redis_probe.instrument`: wall, thread CPU,
 run-queue wait, GIL wait) and counts: results not stored at the first try, results missing at
@@ -65,15 +65,15 @@ def _engine(stop: threading.Event, steps: list[int]) -> None:
 
 def child(mode: str, seconds: float, url: str, patience_s: float, calls: str) -> dict[str, Any]:
     instrument(calls)
-    from workers.results_store import CircuitBreakerStore, RedisResultStore, ResultStoreError
-    from workers.tm.cache_key import CacheKey
-    from workers.tm.redis_cache import (
+    from workers.cache_ttl import parse_ttl_tiers
+    from workers.stages.cache.key import CacheKey
+    from workers.stages.cache.redis_l2 import (
         CacheBreaker,
         CacheUnavailable,
         RedisTranslationCache,
-        parse_ttl_tiers,
     )
-    from workers.unstored import UnstoredResults
+    from workers.store.results import CircuitBreakerStore, RedisResultStore, ResultStoreError
+    from workers.store.unstored import UnstoredResults
 
     new = mode == "new"
     prefix = f"tolk:probe:{uuid.uuid4().hex[:8]}:"

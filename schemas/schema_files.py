@@ -56,7 +56,7 @@ __all__ = [
 REQUEST = "tolk.TranslationRequest"
 RESULT = "tolk.TranslationResult"
 DEAD_LETTER = "tolk.DeadLetter"
-ARM_SHARES = "tolk.ArmShares"  # the control topic's values (workers.arm_control)
+ARM_SHARES = "tolk.ArmShares"  # the control topic's values (workers.kafka.arm_control)
 ROLLOUT_EVENT = "tolk.RolloutEvent"  # the canary guard's events (workers.guard)
 
 SCHEMA_FILES = {

@@ -46,13 +46,13 @@ RULES: dict[str, tuple[str, ...]] = {
     "replay": (
         "workers.worker",
         "workers.engine",
-        "workers.engine_runs",
-        "workers.reply_publisher",
-        "workers.reply_retry",
-        "workers.record_intake",
+        "workers.kafka.engine_runs",
+        "workers.kafka.reply_publisher",
+        "workers.kafka.reply_retry",
+        "workers.kafka.intake",
         "workers.serving",
-        "workers.protected_engine",
-        "workers.faithful_engine",
+        "workers.stages.protected.stage",
+        "workers.stages.faithful.stage",
     ),
     "schemas": ("workers", "torch", "confluent_kafka"),
     "topics": ("workers", "torch"),
@@ -109,9 +109,9 @@ def violations(package: str, root: Path = ROOT) -> list[str]:
 # single modules of pure logic (shared by the worker and replay): no Kafka, no model, no threads
 PURE_MODULES = (
     "workers/arms.py",
-    "workers/faithful.py",
-    "workers/protected_spans.py",
-    "workers/retries.py",
+    "workers/stages/faithful/rules.py",
+    "workers/stages/protected/rules.py",
+    "workers/kafka/engine_retries.py",
 )
 _NOT_PURE = ("confluent_kafka", "redis", "faust", "prometheus_client", "torch", "threading")
 
@@ -196,25 +196,13 @@ CYCLE_ROOTS = ("workers", "topics", "schemas", "kernels", "replay", "bench")
 PRODUCT = ("workers", "topics", "schemas", "kernels", "replay")
 MAX_LINES = 400
 
-# Files that other helpers of issue 27 are rewriting at the time of writing (the serving
-# pipeline, the retry stage, the record's life): split there, not here, whether or not they
-# are over MAX_LINES now. The lead empties this list once their branches are merged.
+# Product files still over MAX_LINES, named one by one (a new one fails the test); each line
+# says what is left to split.
 LINE_ALLOWLIST: frozenset[str] = frozenset(
     {
+        # still to split (issue 27): the CLI's `tolk worker` assembly and the cache stage
         "workers/cli.py",
-        "workers/worker.py",
-        "workers/reply_publisher.py",
-        "workers/record_intake.py",
-        "workers/engine_runs.py",
-        "workers/cache_engine.py",
-        "workers/faithful_engine.py",
-        "workers/protected_engine.py",
-        "workers/context_engine.py",
-        "workers/tm_engine.py",
-        "workers/drill_engine.py",
-        "workers/engine_chain.py",
-        "workers/replies.py",
-        "workers/settings.py",
+        "workers/stages/cache/stage.py",
     }
 )
 
@@ -416,7 +404,10 @@ NEW_LAYOUT_RULES: dict[str, tuple[str, ...]] = {
     ),
 }
 NEW_LAYOUT_ALLOWED: dict[str, tuple[str, ...]] = {
-    "workers/kafka": ("workers.engine.types",),
+    "workers/kafka": ("workers.engine.types", "workers.engine.deadlines"),  # pure: records, rule
+    # a TM built from replay logs reads them with the replay job's own reader (one definition of
+    # the log format and its checks); still to do: those checks in a module both import
+    "workers/tm": ("replay.logs",),
     "workers/client": ("workers.kafka.config",),  # check_broker: one connection check
     "workers/settings.py": ("workers.stages.context.rules",),  # the prompt layouts' names (pure)
 }

@@ -102,6 +102,9 @@ MOVES: list[tuple[str, str]] = [
 # and the process (metrics, probes, traces, logs, ports, hooks)
 STAYS = frozenset(
     {
+        "workers.reply_metadata",
+        "workers.cache_ttl",  # TOLK_CACHE_TTL parsed at the edge (settings)
+        "workers.text_normal",  # one normalization: cache key and phrase index  # the reply contract: stages and the Kafka side both write it
         "workers.cli",
         "workers.demo",
         "workers.rollout_cli",

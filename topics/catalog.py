@@ -8,7 +8,7 @@ many workers share one language. Results go to the request's ``reply_topic``, no
 so one conversation stays on one partition and in order.
 
 ``tolk.control.arms`` holds the arms' shares per language (``ArmShares``, keyed by the
-language or ``"*"``; ``workers.arms``, ``workers.arm_control``). It is compacted, so it keeps
+language or ``"*"``; ``workers.arms``, ``workers.kafka.arm_control``). It is compacted, so it keeps
 the latest entry per key forever and a worker reads the whole table from the beginning at
 start; one partition keeps every change in one order.
 

@@ -26,7 +26,7 @@ The reply of arm A carries `model_version = f"{engine_version}@A"` (`arm_model_v
 `split_arm` takes it apart again (the replay report attributes replies with it). A worker
 without an arm behaves as before: no suffix, every request served.
 
-The share table is built from the compacted control topic (`workers.arm_control`); a
+The share table is built from the compacted control topic (`workers.kafka.arm_control`); a
 `ShareTable` is immutable, so the thread that reads the topic swaps a new one in and the poll
 thread reads whichever is current without a lock.
 """

@@ -31,8 +31,8 @@ state to `on_state(up)` (a gauge). With a `name`, the outage is logged once when
 once per `log_every_s` while it lasts, and once when it ends.
 
 Thread-safe (the cache's gets run on the poll thread, its puts on a writer thread); the call
-itself runs outside the lock. Users: `workers.results_store.CircuitBreakerStore` and
-`workers.tm.redis_cache.CacheBreaker`, thin typed adapters over this class.
+itself runs outside the lock. Users: `workers.store.results.CircuitBreakerStore` and
+`workers.stages.cache.redis_l2.CacheBreaker`, thin typed adapters over this class.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def _settings(**overrides: Any) -> Any:
 def _check_broker_or_exit(settings: Any) -> None:
     """Fail fast, before the model loads, when the broker cannot be reached with the
     configured security settings (a protocol mismatch, bad credentials, an unknown CA)."""
-    from workers.kafka_config import KafkaConnectionError, check_broker
+    from workers.kafka.config import KafkaConnectionError, check_broker
 
     try:
         check_broker(settings.kafka_common())
@@ -255,7 +255,9 @@ def worker(
     ] = False,
     drill_inject_latency: Annotated[
         list[str] | None,
-        typer.Option(help="DRILL, a canary made slow: lang:fraction:ms (workers/drill_engine.py)."),
+        typer.Option(
+            help="DRILL, a canary made slow: lang:fraction:ms (workers/stages/drill/stage.py)."
+        ),
     ] = None,
     drill_inject_errors: Annotated[
         list[str] | None,
@@ -280,7 +282,7 @@ def worker(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--log-level") from None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from workers.faithful_engine import POLICIES
+    from workers.stages.faithful.stage import POLICIES
 
     if faithful_policy not in POLICIES:
         raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--faithful-policy")
@@ -312,9 +314,10 @@ def worker(
     _check_ports_or_exit(settings)  # before the model loads, as is the broker check
     _check_broker_or_exit(settings)
     retriever = None
-    if tm_examples > 0:  # issue #15 (workers/tm_engine.py): a bad TM refuses before the model
+    if tm_examples > 0:  # issue #15 (workers/stages/examples/stage.py): a bad TM refuses before the
+        # model
+        from workers.stages.examples.stage import open_retriever
         from workers.tm.phrase_index import IndexMismatchError
-        from workers.tm_engine import open_retriever
 
         try:
             retriever = open_retriever(tm_dir, tm_examples)
@@ -439,8 +442,8 @@ def arms_set(
     by: Annotated[str | None, typer.Option(help="Who sets it (default user@host).")] = None,
 ) -> None:
     """Set a language's shares: `tolk arms set de A=30 B=70` (workers apply it within 5 s)."""
-    from workers.arm_control import ArmControlError, publish_shares
     from workers.arms import describe_shares, parse_share_args
+    from workers.kafka.arm_control import ArmControlError, publish_shares
 
     settings, topic = _arms_target(bootstrap)
     try:
@@ -458,7 +461,7 @@ def arms_clear(
     bootstrap: BootstrapOpt = None,
 ) -> None:
     """Remove a language's entry (a tombstone): it falls back to '*', else every arm serves."""
-    from workers.arm_control import ArmControlError, publish_shares
+    from workers.kafka.arm_control import ArmControlError, publish_shares
 
     settings, topic = _arms_target(bootstrap)
     try:
@@ -472,8 +475,8 @@ def arms_clear(
 @arms_app.command("show")
 def arms_show(bootstrap: BootstrapOpt = None) -> None:
     """Print the share table as the workers read it."""
-    from workers.arm_control import ArmControlError, read_share_table
     from workers.arms import describe_shares
+    from workers.kafka.arm_control import ArmControlError, read_share_table
 
     settings, topic = _arms_target(bootstrap)
     try:

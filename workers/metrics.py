@@ -183,7 +183,7 @@ class WorkerMetrics(StageMetrics):
             namespace=ns,
             registry=registry,
         )
-        # -- failures the worker rides out (workers/worker.py, workers/results_store.py) --
+        # -- failures the worker rides out (workers/worker.py, workers/store/results.py) --
         self.seek_failures_total = Counter(
             "worker_seek_failures_total",
             "Rewinds of an over-quota partition (seek) that failed; the partition is held "
@@ -225,13 +225,13 @@ class WorkerMetrics(StageMetrics):
             namespace=ns,
             registry=registry,
         )
-        self.store_unstored = Gauge(  # workers/unstored.py
+        self.store_unstored = Gauge(  # workers/store/unstored.py
             "store_unstored",
             "Delivered replies whose result-store write failed and waits for a retry.",
             namespace=ns,
             registry=registry,
         )
-        self.store_late_writes_total = Counter(  # workers/unstored.py
+        self.store_late_writes_total = Counter(  # workers/store/unstored.py
             "store_late_writes_total",
             "Result-store writes that failed once, by outcome: stored (on a later try) or "
             "dropped (the queue of unstored results was full, or the worker stopped first).",
@@ -239,7 +239,7 @@ class WorkerMetrics(StageMetrics):
             namespace=ns,
             registry=registry,
         )
-        self.arm_skipped_total = Counter(  # workers/arm_routing.py
+        self.arm_skipped_total = Counter(  # workers/kafka/arm_routing.py
             "arm_skipped_total",
             "Requests an arm's worker read and left to another arm (marked done without a "
             "reply), by language.",
@@ -248,7 +248,7 @@ class WorkerMetrics(StageMetrics):
             registry=registry,
         )
         self._register_stage_metrics(ns, registry)  # workers/metrics_stages.py
-        # -- the reply path's retry queue (workers/reply_publisher.py) --
+        # -- the reply path's retry queue (workers/kafka/reply_publisher.py) --
         self.reply_retries_total = Counter(
             "reply_retries_total",
             "Replies and dead letters produced again after a failed produce or delivery, by "
@@ -307,7 +307,8 @@ class WorkerMetrics(StageMetrics):
         )
         self._engine_seen: dict[str, int] = {}
 
-        # -- backlog per language, read from the broker (workers/drain.py, every few seconds) --
+        # -- backlog per language, read from the broker (workers/kafka/drain.py, every few
+        # seconds) --
         self.consumer_lag = Gauge(
             "consumer_lag",
             "Records of the language's request topic not yet committed by the worker group "
@@ -334,7 +335,7 @@ class WorkerMetrics(StageMetrics):
         )
 
     def set_drain(self, lang: str, lag: int, rate_per_s: float, seconds: float) -> None:
-        """One language's backlog figures of a refresh (workers.drain.DrainMonitor)."""
+        """One language's backlog figures of a refresh (workers.kafka.drain.DrainMonitor)."""
         self.consumer_lag.labels(lang=lang).set(lag)
         self.group_served_rate.labels(lang=lang).set(rate_per_s)
         self.time_to_drain_seconds.labels(lang=lang).set(seconds)

@@ -27,7 +27,7 @@ class StageMetrics:
     """The serving stages' metrics (module notes); `WorkerMetrics` registers them."""
 
     def _register_stage_metrics(self, ns: str, registry: CollectorRegistry) -> None:
-        self.protected_spans_total = Counter(  # workers/protected_engine.py
+        self.protected_spans_total = Counter(  # workers/stages/protected/stage.py
             "protected_spans_total",
             "Translations with protected spans, by language and outcome: restored (masked, "
             "every span put back), retried_unmasked (restore failed; the unmasked retry kept "
@@ -37,7 +37,7 @@ class StageMetrics:
             namespace=ns,
             registry=registry,
         )
-        self.faithful_checks_total = Counter(  # workers/faithful_engine.py
+        self.faithful_checks_total = Counter(  # workers/stages/faithful/stage.py
             "faithful_checks_total",
             "First-run translations a faithfulness check found suspect, by language and check: "
             "leak (copies a prompt example's target), ratio (length outside 0.3-3x the "
@@ -46,7 +46,7 @@ class StageMetrics:
             namespace=ns,
             registry=registry,
         )
-        self.faithful_outcomes_total = Counter(  # workers/faithful_engine.py
+        self.faithful_outcomes_total = Counter(  # workers/stages/faithful/stage.py
             "faithful_outcomes_total",
             "Suspect translations by language and outcome: retried (the retry with another "
             "prompt form was clean and answered), withheld (still suspect: an ERROR reply, the "
@@ -55,7 +55,7 @@ class StageMetrics:
             namespace=ns,
             registry=registry,
         )
-        self.tm_retrievals_total = Counter(  # workers/tm_engine.py (--tm-examples)
+        self.tm_retrievals_total = Counter(  # workers/stages/examples/stage.py (--tm-examples)
             "tm_retrievals_total",
             "Translation-memory look-ups for retrieved prompt examples, by target language and "
             "outcome: retrieved, no_index (no index for the language pair), error (the look-up "
@@ -64,7 +64,7 @@ class StageMetrics:
             namespace=ns,
             registry=registry,
         )
-        self.tm_retrieval_seconds = Histogram(  # workers/tm_engine.py
+        self.tm_retrieval_seconds = Histogram(  # workers/stages/examples/stage.py
             "tm_retrieval_seconds",
             "Time of one retrieved-examples look-up (embedding + index search), before the "
             "request reaches the engine.",
@@ -72,7 +72,7 @@ class StageMetrics:
             registry=registry,
             buckets=_RETRIEVAL_BUCKETS,
         )
-        self.context_turns_total = Counter(  # workers/context_engine.py (--context)
+        self.context_turns_total = Counter(  # workers/stages/context/stage.py (--context)
             "context_turns_total",
             "Conversation turns by outcome: contextual (earlier turns in the prompt), "
             "no_history (first turn of its conversation, or its history expired), "
@@ -84,7 +84,7 @@ class StageMetrics:
         )
 
     def _register_cache_metrics(self, ns: str, registry: CollectorRegistry) -> None:
-        # -- the exact-match translation cache (workers/cache_engine.py, workers/tm/) --
+        # -- the exact-match translation cache (workers/stages/cache/stage.py, workers/tm/) --
         self.cache_hits_total = Counter(
             "cache_hits_total",
             "Requests answered from the translation cache, by language and tier (l1: the "

@@ -56,10 +56,10 @@ def rollout_start(
     bootstrap: BootstrapOpt = None,
 ) -> None:
     """Start a canary: `tolk rollout start --arm v2 --languages de,fr --share 5`."""
-    from workers.arm_control import default_updated_by
     from workers.arms import validate_arm_name
     from workers.guard.events import EventWriter, operator_event
     from workers.guard.policy import RolloutState, validate_steps
+    from workers.kafka.arm_control import default_updated_by
 
     settings, events_topic, control_topic = _target(bootstrap)
     try:
@@ -93,9 +93,9 @@ def rollout_start(
 
 
 def _operator(action: str, languages: str | None, bootstrap: str | None) -> None:
-    from workers.arm_control import default_updated_by
     from workers.guard.events import EventWriter, load_book, operator_event
     from workers.guard.policy import next_step
+    from workers.kafka.arm_control import default_updated_by
 
     settings, events_topic, control_topic = _target(bootstrap)
     try:
@@ -233,7 +233,7 @@ def guard(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
     from workers.guard.broker_auth import GuardSecurityError, faust_credentials
-    from workers.kafka_config import KafkaConnectionError, check_broker
+    from workers.kafka.config import KafkaConnectionError, check_broker
     from workers.ports import in_use_message, port_in_use
 
     if port is not None and port > 0 and port_in_use(port):  # before reaching the broker

@@ -22,7 +22,7 @@ Environment variables (all optional):
     TOLK_LIVENESS_STALL_S     /livez fails when the engine loop made no progress for this
                               long while requests are in flight                       120
     TOLK_DRAIN_REFRESH_S      consumer lag / time to drain read from the broker every
-                              this many seconds (0 = off; workers/drain.py)           5
+                              this many seconds (0 = off; workers/kafka/drain.py)           5
     TOLK_WORKER_ID            on every reply                   <hostname>-<pid>
     TOLK_POLICIES             lang:weight:slo[:max_queue[:max_new_tokens]],...  (merged over
                               workers.fairness.policy.DEFAULT_POLICIES)
@@ -38,7 +38,8 @@ Environment variables (all optional):
                               breaker counts an outage (0 = never retry; workers/breaker.py) 2
     TOLK_REPLY_ATTEMPTS       deliveries of a reply tried before it is dead-lettered  5
     TOLK_DELIVERY_TIMEOUT_MS  producer message.timeout.ms      30000
-    TOLK_CACHE                exact-match translation cache (workers/cache_engine.py); 0 = off  1
+    TOLK_CACHE                exact-match translation cache (workers/stages/cache/stage.py); 0 =
+    off  1
     TOLK_CACHE_L1_ENTRIES     L1 (in the worker) entries, shared equally by the languages  20000
     TOLK_CACHE_TTL            L2 (redis) TTL tiers, lang:seconds,...,*:seconds   *:86400
     TOLK_CACHE_DIR            what a worker computes once per machine: dequantized weights,
@@ -62,7 +63,7 @@ from types import MappingProxyType
 from typing import Any
 
 from workers.arms import validate_arm_name
-from workers.context import DEFAULT_LAYOUT, LAYOUTS
+from workers.cache_ttl import TtlTiers, parse_ttl_tiers
 from workers.fairness.policy import (
     DEFAULT_BURST_TOKENS,
     DEFAULT_POLICIES,
@@ -71,7 +72,7 @@ from workers.fairness.policy import (
 )
 from workers.ports import parse_port, valid_port_setting
 from workers.redaction import mask_url, with_password
-from workers.tm.redis_cache import TtlTiers, parse_ttl_tiers
+from workers.stages.context.rules import DEFAULT_LAYOUT, LAYOUTS
 
 __all__ = ["Settings", "default_worker_id"]
 
@@ -101,7 +102,7 @@ class Settings:
     metrics_port: int | None = None
     health_port: int | None = None
     liveness_stall_s: float = 120.0  # engine loop silent this long with work: not live
-    drain_refresh_s: float = 5.0  # lag / time-to-drain refresh (workers/drain.py); 0 = off
+    drain_refresh_s: float = 5.0  # lag / time-to-drain refresh (workers/kafka/drain.py); 0 = off
     worker_id: str = field(default_factory=default_worker_id)  # goes on every reply
     policies: Mapping[str, LanguagePolicy] = field(
         default_factory=lambda: _frozen_policies(DEFAULT_POLICIES)
@@ -137,9 +138,11 @@ class Settings:
     cache_enabled: bool = True  # exact-match translation cache in front of the engine
     cache_l1_entries: int = 20_000  # L1 capacity, all languages together
     cache_ttl: TtlTiers = field(default_factory=lambda: parse_ttl_tiers(""))  # L2 TTL per lang
-    context_tokens: int = 256  # `--context`: history token budget per prompt (workers/context.py)
+    context_tokens: int = 256  # `--context`: history token budget per prompt
+    # (workers/stages/context/rules.py)
     context_idle_s: float = 600.0  # `--context`: a conversation's history kept this long idle
-    context_layout: str = DEFAULT_LAYOUT  # `--context`: the turns shown (workers/context.py)
+    context_layout: str = DEFAULT_LAYOUT  # `--context`: the turns shown
+    # (workers/stages/context/rules.py)
     cache_dir: str = ""  # TOLK_CACHE_DIR; "" = $XDG_CACHE_HOME/tolk or ~/.cache/tolk
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ from opentelemetry.trace import SpanKind, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from workers.engine.types import GenerationResult
-from workers.records import ConsumedRecord, InFlight
+from workers.kafka.records import ConsumedRecord, InFlight
 from workers.settings import Settings
 
 __all__ = [

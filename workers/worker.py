@@ -7,20 +7,20 @@ Design notes
   polls for at most `poll_timeout_s`, hands records to the engine (`submit_translation` returns
   a handle at once), drains the queue the engine's done-callbacks fill, produces replies, and
   commits. A paused consumer keeps polling, so the group never times it out (PITFALLS).
-* At-least-once, answered once: the reply path (`workers.reply_publisher.ReplyPublisher`)
+* At-least-once, answered once: the reply path (`workers.kafka.reply_publisher.ReplyPublisher`)
   marks a record's offset done only in the delivery callback of its reply (or its dead letter)
   and stores a delivered reply in redis under its request id; the commit is the lowest offset
-  not yet done per partition (`workers.offsets.OffsetTracker`). A redelivered request (after a
+  not yet done per partition (`workers.kafka.offsets.OffsetTracker`). A redelivered request (after a
   crash before the commit) is answered with the stored bytes instead of being translated again.
   Redis is an optimisation: while it is down the store fails fast (short timeouts, a circuit
-  breaker: `workers.results_store.CircuitBreakerStore`), every request is translated, and each
+  breaker: `workers.store.results.CircuitBreakerStore`), every request is translated, and each
   failed or skipped look-up / put counts in `tolk_store_degraded_total{op}`.
 * Fair intake: per language quotas with hysteresis and a global cap pause partitions; records
   of one batch past a quota are rewound with `seek()` (`record_intake`, `record_life`).
 * Engine results: a failed run is retried up to `max_attempts` runs, then dead-lettered as
   "poison" and answered ERROR; a revoked partition's result is answered or dropped
   (`engine_runs`).
-* Arms (with `Settings.arm`; `workers.arm_routing`): group `<group>.<arm>`; a record that is
+* Arms (with `Settings.arm`; `workers.kafka.arm_routing`): group `<group>.<arm>`; a record that is
   another arm's (`workers.arms`) is done without a reply; replies carry `"<version>@<arm>"`.
 * Never die on a record: any failure on one record becomes a dead letter (undecodable bytes,
   an unusable reply topic, an unexpected exception) or an ERROR/REJECTED/EXPIRED reply.
@@ -32,7 +32,7 @@ Threads: everything here runs on the poll thread except the engine's done-callba
 only put `(request_id, result)` on a queue. Kafka's rebalance and delivery callbacks are
 served from `consume()` / `producer.poll()` on the poll thread.
 
-One record's life, and who does what (`workers.record_life` has the whole picture):
+One record's life, and who does what (`workers.kafka.record_life` has the whole picture):
 
 * `RecordLife` (record_life.py) owns every record's state: its offset (`partitions`, over
   `offsets`), its language's quota and the global cap, the request in the engine that it waits
@@ -62,22 +62,15 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from prometheus_client import CollectorRegistry
 
 from topics.catalog import request_topic
-from workers.arm_control import ShareSource
-from workers.arm_routing import ArmRouter, ArmScopedStore
-from workers.drain import start_drain_monitor
 from workers.engine.types import TranslationEngine
-from workers.engine_runs import EngineRuns
 from workers.health import WorkerProbes, start_health_server
-from workers.kafka_config import ReplyTopicChecker, consumer_config, is_fatal, producer_config
-from workers.metrics import WorkerMetrics
-from workers.process_hooks import (
-    install_stop_signals,
-    seconds_since_process_start,
-    start_metrics_server,
-    worker_registry,
-)
-from workers.record_intake import RecordIntake
-from workers.record_life import (
+from workers.kafka.arm_control import ShareSource
+from workers.kafka.arm_routing import ArmRouter, ArmScopedStore
+from workers.kafka.config import ReplyTopicChecker, consumer_config, is_fatal, producer_config
+from workers.kafka.drain import start_drain_monitor
+from workers.kafka.engine_runs import EngineRuns
+from workers.kafka.intake import RecordIntake
+from workers.kafka.record_life import (
     Answer,
     AnswerNow,
     DeadLetter,
@@ -87,10 +80,17 @@ from workers.record_life import (
     Skip,
     Submit,
 )
-from workers.replies import STATUS_OF
-from workers.reply_publisher import ReplyConfig, ReplyPublisher
-from workers.results_store import CircuitBreakerStore, RedisResultStore, ResultStore
+from workers.kafka.replies import STATUS_OF
+from workers.kafka.reply_publisher import ReplyConfig, ReplyPublisher
+from workers.metrics import WorkerMetrics
+from workers.process_hooks import (
+    install_stop_signals,
+    seconds_since_process_start,
+    start_metrics_server,
+    worker_registry,
+)
 from workers.settings import Settings
+from workers.store.results import CircuitBreakerStore, RedisResultStore, ResultStore
 from workers.tracing import request_tracer
 
 __all__ = ["STATUS_OF", "Worker", "consumer_config", "producer_config"]
@@ -120,7 +120,7 @@ class Worker:
         self.registry = registry if registry is not None else worker_registry()
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.init_languages(settings.languages)
-        if hasattr(engine, "bind_metrics"):  # workers.protected_engine counts in our metrics
+        if hasattr(engine, "bind_metrics"):  # workers.stages.protected.stage counts in our metrics
             engine.bind_metrics(self.metrics)
         self.arms = ArmRouter.for_settings(settings, self.metrics, arm_shares)  # None: no arm
         degraded = self.metrics.store_degraded_total
@@ -287,7 +287,8 @@ class Worker:
 
     def _act(self, outcomes: Iterable[Outcome]) -> None:
         """Do what the steps decided, one outcome at a time (a step decides its next record
-        after the last one was acted on: workers.record_life). An outcome that raises becomes a
+        after the last one was acted on: workers.kafka.record_life). An outcome that raises
+        becomes a
         poison dead letter of its records (one that was a poison dead letter already raises)."""
         publisher = self.publisher
         for outcome in outcomes:

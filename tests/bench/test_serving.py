@@ -248,7 +248,7 @@ class _FakeClient:
         pass
 
     async def translate(self, text: str, **kw: object) -> object:
-        from workers.client_types import TranslationReply, TranslationTimeout
+        from workers.client.types import TranslationReply, TranslationTimeout
 
         if text == "slow":
             raise TranslationTimeout("r-slow", 1.0)

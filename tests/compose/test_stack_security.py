@@ -41,8 +41,8 @@ from prometheus_client import CollectorRegistry
 from tests.kafka_fixtures import services_required
 from tests.workers.fakes import FakeEngine, fake_translation
 from workers.client import TranslationClient, TranslationError
-from workers.results_store import RedisResultStore, result_key
 from workers.settings import Settings
+from workers.store.results import RedisResultStore, result_key
 from workers.worker import Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis]

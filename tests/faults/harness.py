@@ -344,7 +344,7 @@ class OffsetProbe:
     """Committed offsets of a consumer group and high watermarks of topics, asked of the broker
     (a Consumer's committed() with the group's id, never subscribing; a Consumer's
     get_watermark_offsets). Not AdminClient.list_consumer_group_offsets: librdkafka crashes
-    the process when the broker answers it NOT_COORDINATOR (workers/drain.py's notes), which a
+    the process when the broker answers it NOT_COORDINATOR (workers/kafka/drain.py's notes), which a
     broker restart of these tests can provoke."""
 
     def __init__(self, bootstrap: str) -> None:

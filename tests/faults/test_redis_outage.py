@@ -35,7 +35,7 @@ from tests.faults.harness import (
 from tests.faults.private_stack import PrivateStack, free_port
 from tests.workers.fakes import create_prefixed_topics
 from topics.catalog import REPLIES
-from workers.results_store import result_key
+from workers.store.results import result_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.redis, pytest.mark.faults]
 

@@ -6,7 +6,7 @@ worker's client id (an AlterClientQuotas request to the real broker,
 need; then it is removed. The broker delays its produce responses and mutes the worker's
 connection, so replies pile up in the producer and, with the short delivery timeout the worker
 runs with (`Settings.delivery_timeout_ms`), time out and are produced again with backoff
-(`Settings.reply_attempts` of them before a dead letter; `workers.reply_publisher`). (Raising
+(`Settings.reply_attempts` of them before a dead letter; `workers.kafka.reply_publisher`). (Raising
 the reply topic's `min.insync.replicas` does not work here: Kafka 4.x caps the effective
 minimum ISR at the replication factor, so a single-broker topic keeps taking `acks=all`
 writes.)

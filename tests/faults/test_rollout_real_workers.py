@@ -67,9 +67,9 @@ from tests.workers.fakes import TopicReader
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic, rollout_events_topic
-from workers.arm_control import publish_shares, read_share_table
 from workers.arms import choose_arm, split_arm
 from workers.guard.events import SHARE_LEAD_MS, read_events
+from workers.kafka.arm_control import publish_shares, read_share_table
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 

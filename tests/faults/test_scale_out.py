@@ -2,7 +2,7 @@
 stopped with SIGTERM, while requests keep coming; nothing is lost.
 
 Workers of one consumer group share the language topics' partitions (cooperative-sticky,
-`workers/kafka_config.py`). Here three `tests/faults/worker_main.py` processes run the real
+`workers/kafka/config.py`). Here three `tests/faults/worker_main.py` processes run the real
 engine (SmolLM2 135M, 8 output tokens, float32 on CPU) over three languages of 4 partitions
 each, under an open-loop load. Mid-run: worker `w1` gets SIGKILL (its partitions move after its
 6 s session timeout; what it had answered but not committed is answered again), a new worker

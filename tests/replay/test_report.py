@@ -133,7 +133,7 @@ def _strip_digits(text: str) -> str:
 
 
 def test_span_preservation_matches_part_u(tmp_path):
-    spans = pytest.importorskip("workers.protected_spans")
+    spans = pytest.importorskip("workers.stages.protected.rules")
     requests = bcontrast_requests(12)
     sources = [
         "Order A-12345 ships to https://example.com/track?id=9 on 12.05.",

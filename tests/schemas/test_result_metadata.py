@@ -1,4 +1,4 @@
-"""TranslationResult version 2 added `metadata` (protected-span outcomes, workers/replies.py):
+"""TranslationResult version 2 added `metadata` (protected-span outcomes, workers/kafka/replies.py):
 records written with version 1 (schemas/translation_result.v1.avsc) still decode with every
 codec of the built-in schemas, and a version-1 reader still reads version-2 records."""
 

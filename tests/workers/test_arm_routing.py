@@ -1,5 +1,6 @@
-"""An arm's worker without a broker: routing, replies, store keys (workers/arm_routing.py), and
-the control-topic reader over a scripted consumer (workers/arm_reader.py).
+"""An arm's worker without a broker: routing, replies, store keys (workers/kafka/arm_routing.py),
+and
+the control-topic reader over a scripted consumer (workers/kafka/arm_reader.py).
 
 tests/workers/test_arms_kafka.py runs the same against the real broker with two arms.
 """
@@ -19,12 +20,12 @@ from schemas.codec import decode_result, encode_arm_shares, encode_request
 from tests.workers.fakes import FakeBroker, FakeEngine, FakeMessage
 from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
-from workers.arm_control import StaticShares
-from workers.arm_reader import ArmControlReader
-from workers.arm_routing import ArmScopedStore
 from workers.arms import MIRROR_METADATA_KEY, ShareTable, choose_arm
-from workers.results_store import InMemoryResultStore
+from workers.kafka.arm_control import StaticShares
+from workers.kafka.arm_reader import ArmControlReader
+from workers.kafka.arm_routing import ArmScopedStore
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 from workers.worker import Worker
 
 SHARES = {"A": 30.0, "B": 70.0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from schemas.codec import encode_arm_shares
-from workers.arm_reader import ArmControlReader
+from workers.kafka.arm_reader import ArmControlReader
 
 
 class _Msg:

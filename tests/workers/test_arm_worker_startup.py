@@ -31,8 +31,8 @@ from tests.workers.fakes import FakeEngine, TopicReader
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic
-from workers.arm_control import publish_shares
-from workers.arm_reader import ArmControlReader
+from workers.kafka.arm_control import publish_shares
+from workers.kafka.arm_reader import ArmControlReader
 from workers.settings import Settings
 from workers.worker import Worker
 

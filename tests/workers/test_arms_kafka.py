@@ -29,9 +29,9 @@ from tests.workers.fakes import FakeEngine, TopicReader
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic
-from workers.arm_control import publish_shares
 from workers.arms import MIRROR_METADATA_KEY, choose_arm, split_arm
 from workers.cli import app
+from workers.kafka.arm_control import publish_shares
 from workers.settings import Settings
 from workers.worker import Worker
 

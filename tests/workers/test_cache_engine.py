@@ -1,4 +1,4 @@
-"""`CachingEngine` (workers/cache_engine.py): hits, single flight, what is cached, metrics.
+"""`CachingEngine` (workers/stages/cache/stage.py): hits, single flight, what is cached, metrics.
 
 Against the fake engine of tests/workers/fakes.py and an in-memory L2; the Redis outage under
 load is in test_cache_outage.py, the replay figures in bench/cache.py.
@@ -17,13 +17,13 @@ from prometheus_client import CollectorRegistry
 from tests.workers.fakes import FAIL_MARKER, FakeEngine, fake_translation
 from tests.workers.polling import wait_for
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
-from workers.cache_engine import CachingEngine, engine_fingerprint
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.metrics import WorkerMetrics
-from workers.protected_engine import ProtectedSpansEngine
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
-from workers.tm.redis_cache import InMemoryTranslationCache
+from workers.stages.cache.redis_l2 import InMemoryTranslationCache
+from workers.stages.cache.stage import CachingEngine, engine_fingerprint
+from workers.stages.protected.stage import ProtectedSpansEngine
 
 LANGS = ("en", "de", "fr", "es", "it")
 

@@ -1,10 +1,10 @@
-"""The exact-match cache's key (workers/tm/cache_key.py): what makes two requests the same."""
+"""The exact-match cache's key (workers/stages/cache/key.py): what makes two requests the same."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.tm.cache_key import cache_key, normalize_text
+from workers.stages.cache.key import cache_key, normalize_text
 
 BASE = {
     "engine_fingerprint": "gemma3-270m|FairEngine|",
@@ -65,7 +65,12 @@ def test_a_field_holding_the_separator_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["workers/tm/cache_key.py", "workers/tm/cache_policy.py", "workers/tm/lru_k.py"]
+    "module",
+    [
+        "workers/stages/cache/key.py",
+        "workers/stages/cache/policy.py",
+        "workers/stages/cache/lru_k.py",
+    ],
 )
 def test_the_pure_cache_modules_import_no_io_model_or_worker(module: str) -> None:
     from tests.test_architecture import ROOT, imported_modules

@@ -1,4 +1,5 @@
-"""L1's LRU-K (workers/tm/lru_k.py): scan resistance, eviction order, per-language shares."""
+"""L1's LRU-K (workers/stages/cache/lru_k.py): scan resistance, eviction order, per-language
+shares."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.tm.lru_k import LRUK, LanguageLRUK
+from workers.stages.cache.lru_k import LRUK, LanguageLRUK
 
 
 def test_entries_referenced_once_are_evicted_before_hot_ones_in_lru_order() -> None:

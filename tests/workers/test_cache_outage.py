@@ -22,9 +22,10 @@ from tests.workers.fakes import FakeEngine, fake_translation
 from tests.workers.polling import wait_for
 from tests.workers.test_store_outage import PrivateRedis, _free_port
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
-from workers.cache_engine import CachingEngine
-from workers.results_store import RedisResultStore
-from workers.tm.redis_cache import RedisTranslationCache, parse_ttl_tiers
+from workers.cache_ttl import parse_ttl_tiers
+from workers.stages.cache.redis_l2 import RedisTranslationCache
+from workers.stages.cache.stage import CachingEngine
+from workers.store.results import RedisResultStore
 
 pytestmark = pytest.mark.redis
 

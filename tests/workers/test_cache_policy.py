@@ -1,4 +1,4 @@
-"""Which results the cache keeps (workers/tm/cache_policy.py): only clean OK translations,
+"""Which results the cache keeps (workers/stages/cache/policy.py): only clean OK translations,
 decided from the result's declared fields, never from its reply metadata's strings."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from workers import reply_metadata as meta
 from workers.engine.types import FinishReason, GenerationResult
-from workers.tm.cache_policy import is_cacheable
+from workers.stages.cache.policy import is_cacheable
 
 
 def result(

@@ -1,4 +1,4 @@
-"""L2 of the cache (workers/tm/redis_cache.py): TTL tiers, the real Redis, the breaker."""
+"""L2 of the cache (workers/stages/cache/redis_l2.py): TTL tiers, the real Redis, the breaker."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ import uuid
 import pytest
 
 from tests.kafka_fixtures import redis_url  # noqa: F401
+from workers.cache_ttl import TtlTiers, parse_ttl_tiers
 from workers.settings import Settings
-from workers.tm.cache_key import CacheKey, cache_key
-from workers.tm.redis_cache import (
+from workers.stages.cache.key import CacheKey, cache_key
+from workers.stages.cache.redis_l2 import (
     CacheBreaker,
     CacheUnavailable,
     InMemoryTranslationCache,
     RedisTranslationCache,
-    TtlTiers,
-    parse_ttl_tiers,
 )
 
 
@@ -151,7 +150,7 @@ def test_breaker_skips_calls_while_open_logs_once_and_recovers(
     assert breaker.get(k) == "Yes." and not breaker.degraded
 
     store.down = True
-    caplog.set_level(logging.WARNING, logger="workers.tm.redis_cache")
+    caplog.set_level(logging.WARNING, logger="workers.stages.cache.redis_l2")
     for _ in range(30):  # 30 s of outage, one try per second, 100 calls per second
         for _ in range(100):
             with pytest.raises(CacheUnavailable):

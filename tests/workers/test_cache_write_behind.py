@@ -1,4 +1,5 @@
-"""`workers.tm.write_behind.WriteBehind`: writes leave the caller's thread, a full queue drops
+"""`workers.stages.cache.write_behind.WriteBehind`: writes leave the caller's thread, a full queue
+drops
 and reports, a failing write does not stop the writer, `stop` lets queued writes finish.
 
 The cache engine on real Redis through it: test_cache_redis.py and test_cache_outage.py.
@@ -11,8 +12,8 @@ import threading
 import pytest
 
 from tests.workers.polling import wait_for
-from workers.tm.cache_key import CacheKey, cache_key
-from workers.tm.write_behind import WriteBehind
+from workers.stages.cache.key import CacheKey, cache_key
+from workers.stages.cache.write_behind import WriteBehind
 
 
 def _key(text: str) -> CacheKey:

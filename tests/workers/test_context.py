@@ -1,4 +1,5 @@
-"""Conversation context (workers/context.py, workers/context_engine.py): the history window and
+"""Conversation context (workers/stages/context/rules.py, workers/stages/context/stage.py): the
+history window and
 its budget, the order spoken, idle expiry, the growing-prefix property of the prompts on the
 real Gemma 3 tokenizer, and the exact-match cache never answering a contextual turn.
 
@@ -14,13 +15,18 @@ from typing import Any
 import pytest
 
 from tests.workers.fakes import FakeEngine, fake_translation
-from workers.context import ConversationMemory, RecordedTurn, advance_window, render_turn
-from workers.context_engine import CONTEXT_NOTE, NO_HISTORY_SUFFIX, RETRY_NOTE, ContextEngine
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
-from workers.tm.redis_cache import InMemoryTranslationCache
+from workers.stages.cache.redis_l2 import InMemoryTranslationCache
+from workers.stages.context.rules import (
+    ConversationMemory,
+    RecordedTurn,
+    advance_window,
+    render_turn,
+)
+from workers.stages.context.stage import CONTEXT_NOTE, NO_HISTORY_SUFFIX, RETRY_NOTE, ContextEngine
 
 # -- the window -----------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from workers.context import ConversationMemory
-from workers.context_engine import CONTEXT_NOTE, ContextEngine
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import GenerationResult, TranslationRequest
+from workers.stages.context.rules import ConversationMemory
+from workers.stages.context.stage import CONTEXT_NOTE, ContextEngine
 
 pytestmark = pytest.mark.slow
 

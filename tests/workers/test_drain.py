@@ -1,4 +1,4 @@
-"""Time to drain (workers/drain.py): the pure math by hand, then the lag read from the broker.
+"""Time to drain (workers/kafka/drain.py): the pure math by hand, then the lag read from the broker.
 
 The unit tests feed known offsets and a known clock and compare the exported gauges with the
 hand computation. The Kafka test produces a known backlog to a fresh topic and group, commits
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from tests.workers.fakes import create_prefixed_topics
 from topics.catalog import request_topic
-from workers.drain import (
+from workers.kafka.drain import (
     BrokerOffsetsReader,
     DrainMonitor,
     PartitionOffsets,

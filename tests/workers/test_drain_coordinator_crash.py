@@ -56,7 +56,7 @@ print("injected", flush=True)
 
 READER = """
 from confluent_kafka import KafkaException
-from workers.drain import BrokerOffsetsReader
+from workers.kafka.drain import BrokerOffsetsReader
 
 reader = BrokerOffsetsReader({"bootstrap.servers": bootstrap, "log_level": 0}, "g26",
                              {"de": ["t26.requests.de"]}, timeout_s=5.0)

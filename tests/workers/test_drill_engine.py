@@ -1,4 +1,4 @@
-"""The drill wrapper (workers/drill_engine.py): only the named language's fraction is hit, the
+"""The drill wrapper (workers/stages/drill/stage.py): only the named language's fraction is hit, the
 same requests every time, latency held back, errors made, every hit noted on the result."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from tests.workers.fakes import FakeEngine
-from workers.drill_engine import DRILL_NOTE_KEY, DrillEngine, parse_drill
 from workers.engine.types import FinishReason, TranslationRequest
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
+from workers.stages.drill.stage import DRILL_NOTE_KEY, DrillEngine, parse_drill
 
 
 def _submit(engine: DrillEngine, rid: str, lang: str):  # noqa: ANN202

@@ -1,4 +1,5 @@
-"""workers/faithful.py: each detector on constructed cases and on real model outputs, the
+"""workers/stages/faithful/rules.py: each detector on constructed cases and on real model outputs,
+the
 length-cap fit, and the packaged cap table."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from importlib import resources
 import pytest
 
 from workers.engine.prompts import prompt_examples
-from workers.faithful import (
+from workers.stages.faithful.rules import (
     COVERAGE,
     LengthCap,
     LengthCaps,

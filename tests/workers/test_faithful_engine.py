@@ -1,4 +1,4 @@
-"""workers/faithful_engine.py around a scripted engine: the length guard's cap, a clean answer
+"""workers/stages/faithful/stage.py around a scripted engine: the length guard's cap, a clean answer
 passed through, a suspect one retried with the retry form, then withheld (the default policy)
 or flagged, notes, counters and the reply's metadata."""
 
@@ -11,10 +11,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from schemas.codec import decode_result, encode_result
-from workers.client_types import TranslationReply
+from workers.client.types import TranslationReply
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
-from workers.faithful import LengthCaps
-from workers.faithful_engine import (
+from workers.kafka.engine_retries import is_failed_run
+from workers.kafka.records import ConsumedRecord, InFlight
+from workers.kafka.replies import FINISH_REASON_KEY as REPLIES_FINISH_REASON_KEY
+from workers.kafka.replies import engine_reply
+from workers.metrics import WorkerMetrics
+from workers.stages.cache.policy import is_cacheable
+from workers.stages.faithful.rules import LengthCaps
+from workers.stages.faithful.stage import (
     CANDIDATE_KEY,
     FINISH_REASON_KEY,
     GUARD_REASON,
@@ -22,12 +28,6 @@ from workers.faithful_engine import (
     RETRY_SUFFIX,
     FaithfulEngine,
 )
-from workers.metrics import WorkerMetrics
-from workers.records import ConsumedRecord, InFlight
-from workers.replies import FINISH_REASON_KEY as REPLIES_FINISH_REASON_KEY
-from workers.replies import engine_reply
-from workers.retries import is_failed_run
-from workers.tm.cache_policy import is_cacheable
 
 PATIENCE_DE = "Vielen Dank für Ihre Geduld. Ihr Ersatzgerät wird morgen verschickt."
 # 2 x source words + 3 output tokens for en-de in the test table

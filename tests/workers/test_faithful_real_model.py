@@ -14,8 +14,8 @@ import pytest
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prompts import prompt_examples
 from workers.engine.types import FinishReason, TranslationRequest
-from workers.faithful import LengthCaps, leaked_example
-from workers.faithful_engine import (
+from workers.stages.faithful.rules import LengthCaps, leaked_example
+from workers.stages.faithful.stage import (
     CANDIDATE_KEY,
     FINISH_REASON_KEY,
     GUARD_REASON,

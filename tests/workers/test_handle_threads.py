@@ -26,9 +26,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from tests.workers.handle_witness import HandleWitness
-from workers.arm_reader import ArmControlReader
 from workers.client import TranslationClient
-from workers.drain import BrokerOffsetsReader, DrainMonitor
+from workers.kafka.arm_reader import ArmControlReader
+from workers.kafka.drain import BrokerOffsetsReader, DrainMonitor
 
 
 class _Meta:

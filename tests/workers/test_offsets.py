@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.offsets import OffsetTracker
+from workers.kafka.offsets import OffsetTracker
 
 TP = ("tolk.requests.de", 0)
 TP2 = ("tolk.requests.de", 1)

@@ -2,7 +2,7 @@
 
 The fair-share guarantee across workers (workers/serving/group_fairness.py) needs every worker
 to hold partitions of every busy language. Measured here with the worker's own consumer
-configuration (`workers.kafka_config.consumer_config`), 3 topics of 4 partitions, 3 workers then
+configuration (`workers.kafka.config.consumer_config`), 3 topics of 4 partitions, 3 workers then
 2: both group protocols hand out every partition once (`_settled`); KIP-848 with the broker's
 `range` assignor (`group_protocol="consumer"`) splits every topic evenly over the workers (4
 partitions over 3 workers: 2/1/1 of each language). Classic cooperative-sticky balances each
@@ -22,7 +22,7 @@ from confluent_kafka import Consumer
 
 from tests.workers.fakes import create_prefixed_topics
 from topics.catalog import request_topic
-from workers.kafka_config import consumer_config
+from workers.kafka.config import consumer_config
 from workers.settings import Settings
 
 pytestmark = [pytest.mark.kafka]

@@ -8,8 +8,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
+from workers.kafka.partitions import PartitionState
 from workers.metrics import WorkerMetrics
-from workers.partitions import PartitionState
 
 DE = ("tolk.requests.de", 0)
 FR = ("tolk.requests.fr", 0)

@@ -22,8 +22,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.workers.fakes import FakeEngine, fake_translation
-from workers.context_engine import CONTEXT_NOTE, ContextEngine
-from workers.drill_engine import DRILL_NOTE_KEY, DrillEngine
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import (
     FinishReason,
@@ -32,7 +30,6 @@ from workers.engine.types import (
     TranslationEngine,
     TranslationRequest,
 )
-from workers.engine_wrapper import EngineWrapper
 from workers.metrics import WorkerMetrics
 from workers.serving.pipeline import (
     STAGES,
@@ -43,7 +40,10 @@ from workers.serving.pipeline import (
     build_served_engine,
 )
 from workers.settings import Settings
-from workers.tm.redis_cache import InMemoryTranslationCache
+from workers.stages.cache.redis_l2 import InMemoryTranslationCache
+from workers.stages.context.stage import CONTEXT_NOTE, ContextEngine
+from workers.stages.drill.stage import DRILL_NOTE_KEY, DrillEngine
+from workers.stages.wrapper import EngineWrapper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -220,13 +220,13 @@ def _shout(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 STAGE_MODULES = {
     "workers/serving/pipeline.py",
-    "workers/cache_engine.py",
-    "workers/context_engine.py",
-    "workers/drill_engine.py",
-    "workers/faithful_engine.py",
-    "workers/protected_engine.py",
-    "workers/tm_engine.py",
-    "workers/engine_wrapper.py",
+    "workers/stages/cache/stage.py",
+    "workers/stages/context/stage.py",
+    "workers/stages/drill/stage.py",
+    "workers/stages/faithful/stage.py",
+    "workers/stages/protected/stage.py",
+    "workers/stages/examples/stage.py",
+    "workers/stages/wrapper.py",
 }
 STAGE_CLASSES = {
     "CachingEngine", "ContextEngine", "DrillEngine", "FaithfulEngine", "ProtectedSpansEngine",
@@ -279,8 +279,8 @@ def test_no_product_or_bench_code_builds_a_stage_outside_the_builder() -> None:
 def test_the_scan_catches_each_kind_of_construction(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from workers.cache_engine import CachingEngine\n"
-        "import workers.faithful_engine as fe\n"
+        "from workers.stages.cache.stage import CachingEngine\n"
+        "import workers.stages.faithful.stage as fe\n"
         "engine = CachingEngine(inner, l1_capacity=1)\n"
         "guarded = fe.FaithfulEngine(engine)\n"
         "served = with_translation_cache(engine, settings)\n"

@@ -28,8 +28,8 @@ from workers.cli import app
 from workers.health import WorkerProbes, start_health_server
 from workers.ports import AUTO_PORT, PortUnavailable, open_server, parse_port, port_in_use
 from workers.process_hooks import start_metrics_server
-from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 from workers.worker import Worker
 
 

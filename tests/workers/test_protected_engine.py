@@ -1,4 +1,5 @@
-"""workers/protected_engine.py around tests/workers/fakes.py's FakeEngine: masked and restored,
+"""workers/stages/protected/stage.py around tests/workers/fakes.py's FakeEngine: masked and
+restored,
 retried unmasked, flagged; notes on the result, outcomes counted, the reply's metadata."""
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from prometheus_client import CollectorRegistry
 from schemas.codec import decode_result, encode_result
 from tests.workers.fakes import FakeEngine, fake_translation
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
+from workers.kafka.records import ConsumedRecord, InFlight
+from workers.kafka.replies import engine_reply
 from workers.metrics import WorkerMetrics
-from workers.protected_engine import NOTE_KEY, RETRY_SUFFIX, ProtectedSpansEngine
-from workers.protected_spans import DEFAULT_STYLE
-from workers.records import ConsumedRecord, InFlight
-from workers.replies import engine_reply
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
+from workers.stages.protected.rules import DEFAULT_STYLE
+from workers.stages.protected.stage import NOTE_KEY, RETRY_SUFFIX, ProtectedSpansEngine
 
 TEXT = "Order A-12345 arrives at 8:30"
 

@@ -1,11 +1,12 @@
-"""workers/protected_spans.py: which spans are found, masking round trips, restore verification
+"""workers/stages/protected/rules.py: which spans are found, masking round trips, restore
+verification
 and the preservation metric."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.protected_spans import (
+from workers.stages.protected.rules import (
     DEFAULT_STYLE,
     MASK_STYLES,
     MaskConflict,

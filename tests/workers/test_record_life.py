@@ -1,4 +1,4 @@
-"""One owner of a record's life (`workers.record_life`) and the outcomes the steps return.
+"""One owner of a record's life (`workers.kafka.record_life`) and the outcomes the steps return.
 
 * The owner: `RecordLife` alone holds a record's offset, its quota and the request it waits on;
   the steps (intake, dispatch, reply) and the loop import none of the modules that keep that
@@ -43,16 +43,16 @@ from tests.workers.polling import wait_for
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
 from topics.catalog import REPLIES
 from workers.engine.types import RequestHandle
-from workers.engine_runs import EngineRuns
-from workers.kafka_config import ReplyTopicChecker
+from workers.kafka.config import ReplyTopicChecker
+from workers.kafka.engine_runs import EngineRuns
+from workers.kafka.intake import RecordIntake
+from workers.kafka.record_life import AnswerNow, DeadLetter, RecordLife, Resend, Submit
+from workers.kafka.records import ConsumedRecord
+from workers.kafka.reply_publisher import ReplyConfig, ReplyPublisher
+from workers.kafka.reply_retry import Deliveries
 from workers.metrics import WorkerMetrics
-from workers.record_intake import RecordIntake
-from workers.record_life import AnswerNow, DeadLetter, RecordLife, Resend, Submit
-from workers.records import ConsumedRecord
-from workers.reply_publisher import ReplyConfig, ReplyPublisher
-from workers.reply_retry import Deliveries
-from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 
 TOPIC = "tolk.requests.de"
 TP = (TOPIC, 0)
@@ -61,13 +61,13 @@ NOW_MS = 1_700_000_000_000
 # -- the owner ----------------------------------------------------------------------------------
 
 # the modules that keep a record's state: offsets, partitions (pauses, generations), quotas
-_STATE = ("workers.offsets", "workers.partitions", "workers.fairness.intake")
+_STATE = ("workers.kafka.offsets", "workers.kafka.partitions", "workers.fairness.intake")
 _STEPS = (
     "workers/worker.py",
-    "workers/record_intake.py",
-    "workers/engine_runs.py",
-    "workers/reply_publisher.py",
-    "workers/reply_retry.py",
+    "workers/kafka/intake.py",
+    "workers/kafka/engine_runs.py",
+    "workers/kafka/reply_publisher.py",
+    "workers/kafka/reply_retry.py",
 )
 
 
@@ -76,10 +76,11 @@ def test_only_the_owner_imports_a_records_state() -> None:
         imported = imported_modules(ROOT / step)
         touching = sorted(m for m in imported if m.startswith(_STATE))
         assert touching == [], f"{step} reaches the record's state past RecordLife: {touching}"
-    owner = imported_modules(ROOT / "workers/record_life.py")
-    assert {"workers.partitions.PartitionState", "workers.fairness.intake.IntakeController"} <= (
-        owner
-    )
+    owner = imported_modules(ROOT / "workers/kafka/record_life.py")
+    assert {
+        "workers.kafka.partitions.PartitionState",
+        "workers.fairness.intake.IntakeController",
+    } <= (owner)
 
 
 def test_no_constructor_of_the_record_path_takes_twelve_collaborators() -> None:
@@ -258,10 +259,10 @@ def test_files_one_record_enters() -> None:
         rig.thread.join(10)
     steps = {
         "workers/worker.py",
-        "workers/record_life.py",
-        "workers/record_intake.py",
-        "workers/engine_runs.py",
-        "workers/reply_publisher.py",
+        "workers/kafka/record_life.py",
+        "workers/kafka/intake.py",
+        "workers/kafka/engine_runs.py",
+        "workers/kafka/reply_publisher.py",
     }
     assert steps <= entered, sorted(steps - entered)
     assert "workers/validation.py" not in entered

@@ -1,5 +1,5 @@
 """Secrets out of reprs and messages (workers/redaction.py), the security settings
-(workers/settings.py) and the broker check's verdicts that need no broker (workers/kafka_config.py).
+(workers/settings.py) and the broker check's verdicts that need no broker (workers/kafka/config.py).
 The secured broker itself is exercised in tests/compose/test_stack_security.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from workers.kafka_config import KafkaConnectionError, check_broker
+from workers.kafka.config import KafkaConnectionError, check_broker
 from workers.redaction import mask_url, redact, with_password
-from workers.results_store import RedisResultStore
 from workers.settings import Settings
+from workers.store.results import RedisResultStore
 
 SECRET = "s3cr3t-Pa55"
 

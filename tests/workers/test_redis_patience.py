@@ -1,6 +1,6 @@
 """A slow Redis is not a down Redis (issue 26 item 3), with fakes only: the breaker's patience
 (workers/breaker.py), the stores' timeout classification, and the result writes kept and
-written again (workers/unstored.py). The real-redis tests are in test_redis_stall.py."""
+written again (workers/store/unstored.py). The real-redis tests are in test_redis_stall.py."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from collections.abc import Callable
 import pytest
 
 from workers.breaker import CircuitBreaker
-from workers.results_store import (
+from workers.stages.cache.key import CacheKey
+from workers.stages.cache.redis_l2 import CacheBreaker, CacheTimeout, InMemoryTranslationCache
+from workers.store.results import (
     CircuitBreakerStore,
     InMemoryResultStore,
     ResultStoreError,
     ResultStoreTimeout,
 )
-from workers.tm.cache_key import CacheKey
-from workers.tm.redis_cache import CacheBreaker, CacheTimeout, InMemoryTranslationCache
-from workers.unstored import UnstoredResults
+from workers.store.unstored import UnstoredResults
 
 
 class Down(Exception):
@@ -202,7 +202,8 @@ def test_the_l2_breaker_rides_out_a_stall_and_counts_it_as_a_retry() -> None:
     assert retried == ["get", "get"] and states == [] and not l2.degraded
 
 
-# -- result writes kept and written again (workers/unstored.py) -------------------------------
+# -- result writes kept and written again (workers/store/unstored.py)
+# -------------------------------
 
 
 class FlakyPut:

@@ -19,9 +19,10 @@ import redis
 from tests.workers.polling import wait_for
 from tests.workers.test_store_outage import PrivateRedis, private_redis  # noqa: F401
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
+from workers.cache_ttl import parse_ttl_tiers
 from workers.settings import Settings
-from workers.tm.cache_key import CacheKey
-from workers.tm.redis_cache import CacheBreaker, RedisTranslationCache, parse_ttl_tiers
+from workers.stages.cache.key import CacheKey
+from workers.stages.cache.redis_l2 import CacheBreaker, RedisTranslationCache
 
 pytestmark = pytest.mark.redis
 
@@ -37,7 +38,7 @@ def _pause(url: str, ms: int, mode: str = "ALL") -> None:
 def test_a_worker_stores_every_result_through_a_stall_and_its_breaker_stays_closed(
     private_redis: PrivateRedis,  # noqa: F811
 ) -> None:
-    from workers.results_store import RedisResultStore
+    from workers.store.results import RedisResultStore
 
     settings = Settings(languages=("de",))  # the defaults: 0.3 s timeout, 2 s patience
     store = RedisResultStore(private_redis.url, ttl_s=60, socket_timeout_s=settings.store_timeout_s)

@@ -1,4 +1,4 @@
-"""workers.replies: how an engine result becomes a reply record."""
+"""workers.kafka.replies: how an engine result becomes a reply record."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from replay.quality import is_truncated
 from schemas.codec import decode_result, encode_result
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle
-from workers.records import ConsumedRecord, InFlight
-from workers.replies import FINISH_REASON_KEY, engine_reply
+from workers.kafka.records import ConsumedRecord, InFlight
+from workers.kafka.replies import FINISH_REASON_KEY, engine_reply
 
 SOURCE = "Please send me the tracking number of my order so I can check it myself."
 

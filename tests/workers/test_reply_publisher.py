@@ -20,11 +20,11 @@ from tests.workers.fakes import FakeBroker, FakeProducer
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, Timings
 from workers.fairness.policy import DEFAULT_POLICIES
-from workers.kafka_config import ReplyTopicChecker
+from workers.kafka.config import ReplyTopicChecker
+from workers.kafka.records import ConsumedRecord, InFlight
+from workers.kafka.reply_publisher import ReplyConfig, ReplyPublisher
 from workers.metrics import WorkerMetrics
-from workers.records import ConsumedRecord, InFlight
-from workers.reply_publisher import ReplyConfig, ReplyPublisher
-from workers.results_store import InMemoryResultStore, ResultStoreError
+from workers.store.results import InMemoryResultStore, ResultStoreError
 
 NOW_MS = 1_700_000_000_000  # the publisher's (frozen) wall clock
 TOPIC = request_topic("de")

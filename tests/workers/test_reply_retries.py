@@ -27,14 +27,14 @@ from tests.workers.fakes import FakeBroker, FakeEngine, FakeProducer, fake_trans
 from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.fairness.policy import DEFAULT_POLICIES
-from workers.kafka_config import ReplyTopicChecker
+from workers.kafka.config import ReplyTopicChecker
+from workers.kafka.offsets import OffsetTracker
+from workers.kafka.records import ConsumedRecord
+from workers.kafka.reply_publisher import ReplyConfig, ReplyPublisher
+from workers.kafka.reply_retry import retry_delay_s
 from workers.metrics import WorkerMetrics
-from workers.offsets import OffsetTracker
-from workers.records import ConsumedRecord
-from workers.reply_publisher import ReplyConfig, ReplyPublisher
-from workers.reply_retry import retry_delay_s
-from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 from workers.worker import Worker
 
 NOW_MS = 1_700_000_000_000

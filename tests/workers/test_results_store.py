@@ -7,7 +7,7 @@ import uuid
 import pytest
 
 from tests.kafka_fixtures import redis_url  # noqa: F401
-from workers.results_store import (
+from workers.store.results import (
     InMemoryResultStore,
     RedisResultStore,
     ResultStoreError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from workers.engine.types import FinishReason, GenerationResult
-from workers.retries import EngineRetries, is_failed_run
+from workers.kafka.engine_retries import EngineRetries, is_failed_run
 
 
 def result(reason: FinishReason, error: str) -> GenerationResult:

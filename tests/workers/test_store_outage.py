@@ -11,7 +11,7 @@ kills it mid-run and starts it again on the same port. Checked:
 * a `Worker` (in-memory Kafka, fake engine, the real redis) answers every request while redis
   is down, counts the degraded look-ups and puts in `tolk_store_degraded_total`, and stores new
   results again once redis is back, and the results of the outage too (kept, written late:
-  workers/unstored.py).
+  workers/store/unstored.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 
 from tests.workers.polling import wait_for
 from tests.workers.test_worker_fake_engine import make_rig, request_bytes
-from workers.results_store import CircuitBreakerStore, RedisResultStore, ResultStoreError
+from workers.store.results import CircuitBreakerStore, RedisResultStore, ResultStoreError
 
 pytestmark = pytest.mark.redis
 

@@ -23,8 +23,8 @@ from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.engine.types import FinishReason, TranslationRequest
 from workers.fairness.policy import DEFAULT_POLICIES, LanguagePolicy
-from workers.results_store import InMemoryResultStore
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 from workers.worker import STATUS_OF, Worker
 
 LANGS = ("en", "de", "fr", "es", "it")
@@ -508,7 +508,7 @@ def test_the_engine_gets_each_request_conversation_id() -> None:
     protection, the faithfulness guard, as the builder composes them) pass it on to the engine,
     a masked run included."""
     from workers.serving.pipeline import ServingOptions, build_served_engine
-    from workers.tm.redis_cache import InMemoryTranslationCache
+    from workers.stages.cache.redis_l2 import InMemoryTranslationCache
 
     plain = make_rig()
     inner = FakeEngine()

@@ -15,9 +15,9 @@ from tests.workers.fakes import FakeBroker, FakeConsumer, FakeEngine, FakeMessag
 from tests.workers.polling import wait_for
 from tests.workers.test_worker_fake_engine import request_bytes
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
-from workers.kafka_config import is_fatal
-from workers.results_store import InMemoryResultStore
+from workers.kafka.config import is_fatal
 from workers.settings import Settings
+from workers.store.results import InMemoryResultStore
 from workers.worker import Worker
 
 FATAL = KafkaError(

@@ -7,7 +7,7 @@ the service that asks "too late?" asks this module, with its own clock readings:
 
 * **No time left** (`expired`): `now >= deadline`. A translation takes more than no time, so a
   request with no time left could only finish past its deadline: the worker answers it EXPIRED
-  without the engine (`workers/record_intake.py`'s `check_request`, with the text of
+  without the engine (`workers/kafka/intake.py`'s `check_request`, with the text of
   `ms_past_deadline_at_intake`), the scheduler expires it before spending prefill on it
   (`workers/engine/scheduler.py`), the latency model's admission says EXPIRED
   (`workers/fairness/latency_model.py`), and the fair engine's watchdog cancels a running
@@ -19,7 +19,7 @@ the service that asks "too late?" asks this module, with its own clock readings:
   has given up on it by then. At the deadline exactly is in time. On the engine's clock a late
   OK (or a cancel at the deadline) becomes an EXPIRED result (`expire_if_late`, the fair
   engine); on the wall clock a late OK reply goes out as EXPIRED (`expired_despite_ok`,
-  `workers/replies.py`), so the rule holds whichever engine stack answered.
+  `workers/kafka/replies.py`), so the rule holds whichever engine stack answered.
 
 The engine keeps deadlines on its own monotonic clock (seconds, `time.monotonic()`), immune to
 wall-clock steps while a request waits; `engine_deadline` converts at the moment of submission

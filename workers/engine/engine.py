@@ -244,8 +244,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         """`prompt_form`: a form of prompts.json (None: the engine's default form); the
         faithfulness wrapper retries a suspect translation with the template's retry form.
         `examples`: (source, target) pairs after the cached prefix, before the query (the
-        retrieved translation-memory examples of workers/tm_engine.py). `history`: token ids of
-        the conversation so far (workers/context_engine.py), between the cached prefix and the
+        retrieved translation-memory examples of workers/stages/examples/stage.py). `history`: token
+        ids of
+        the conversation so far (workers/stages/context/stage.py), between the cached prefix and the
         rest."""
         ids, prefix_len = self.prompts.build(text, source_lang, target_lang, prompt_form, examples)
         if history:

@@ -15,7 +15,7 @@ also name a `layout` (where the source sits in a turn: the template's `example_<
 into English:" before every source) and `examples_by_target` (another example set for one
 target language, leaving every other language's prompt as it was). Each
 template has a default form and a retry form (`default_form`, `retry_form`): the faithfulness
-wrapper (`workers/faithful_engine.py`) retries a suspect translation once with the retry form.
+wrapper (`workers/stages/faithful/stage.py`) retries a suspect translation once with the retry form.
 `build(..., form=)` takes any form; each (form, target language) prefix is cached apart.
 docs/PROMPTS.md has the measured comparison that chose the defaults.
 
@@ -57,7 +57,7 @@ def _templates() -> dict[str, Any]:
 @cache
 def prompt_set_version() -> str:
     """The prompt set's version: a hash of `prompts.json` (templates, examples, stop rules).
-    The exact-match translation cache keys on it (workers/tm/cache_key.py), so editing the
+    The exact-match translation cache keys on it (workers/stages/cache/key.py), so editing the
     prompt set retires every cached translation."""
     data = resources.files("workers.engine").joinpath("prompts.json").read_bytes()
     return hashlib.sha256(data).hexdigest()[:16]
@@ -65,7 +65,7 @@ def prompt_set_version() -> str:
 
 def prompt_examples() -> list[dict[str, str]]:
     """Every few-shot example of every set (language -> text): what a translation must not copy
-    unless its source is that example's source (`workers.faithful.leaked_example`)."""
+    unless its source is that example's source (`workers.stages.faithful.rules.leaked_example`)."""
     sets: dict[str, list[dict[str, str]]] = _templates()["example_sets"]
     return [dict(example) for examples in sets.values() for example in examples]
 
@@ -203,7 +203,8 @@ class PromptBuilder:
         form: str | None = None,
     ) -> str:
         """Request-specific (source, target) examples, e.g. the nearest translation-memory
-        pairs (`workers/tm_engine.py`), in the form's example layout. They go between the
+        pairs (`workers/stages/examples/stage.py`), in the form's example layout. They go between
+        the
         cached prefix and the query, in the order given (the tm wrapper puts the nearest last)."""
         src_name = self._name(source_lang) if source_lang else "Text"
         tgt_name = self._name(target_lang)
@@ -241,7 +242,8 @@ class PromptBuilder:
         """(lead, end): what the form's example turn puts before and after the answer that
         its query leaves open, e.g. (" ", "\\n\\n") for the few-shot template and
         ("", "<|im_end|>\\n") for ChatML. A finished turn shown as conversation history
-        (`workers/context.py`) is its query's ids, the answer's ids and then `end`, so the next
+        (`workers/stages/context/rules.py`) is its query's ids, the answer's ids and then `end`, so
+        the next
         prompt starts with the previous prompt and its generated answer. None when the
         example does not begin with the query (a layout that puts the source elsewhere)."""
         marks = {"src_name": "\x00S", "tgt_name": "\x00T"}

@@ -72,7 +72,8 @@ class TranslationRequest:
     # token ids of the conversation so far, put between the cached prefix and the query (set
     # by the context stage on a turn with history; a stage's rerun goes without them)
     history: tuple[int, ...] = ()
-    # retrieved (source, target) examples after the prefix, before the query (workers/tm_engine.py)
+    # retrieved (source, target) examples after the prefix, before the query
+    # (workers/stages/examples/stage.py)
     examples: tuple[tuple[str, str], ...] = ()
 
 
@@ -95,11 +96,12 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: Timings = field(default_factory=Timings)
     error: str = ""  # set when finish_reason is ERROR / REJECTED / EXPIRED
-    # Tags for the reply's metadata (workers.replies copies them, in this order), e.g. what the
+    # Tags for the reply's metadata (workers.kafka.replies copies them, in this order), e.g. what
+    # the
     # protected-span stage did; keys from workers/reply_metadata.py only; never metric labels.
     notes: Mapping[str, str] = field(default_factory=dict)
     # What the serving stages did (workers/serving/pipeline.py), as declared fields: code reads
-    # these (the cache's rule, workers/tm/cache_policy.py), never the strings of `notes`
+    # these (the cache's rule, workers/stages/cache/policy.py), never the strings of `notes`
     cache_tier: str = ""  # how the exact-match cache answered: l1 / l2 / miss / joined
     faithful: str = ""  # the faithfulness outcome of a suspect answer: retried/flagged/withheld
     spans: str = ""  # span protection's outcome: restored/skipped/retried_unmasked/flagged
@@ -193,7 +195,7 @@ class TranslationEngine(Protocol):
     tests may use an in-memory fake with the same methods)."""
 
     # read-only for the worker: an attribute or a property (a wrapper such as
-    # workers.protected_engine passes its inner engine's through)
+    # workers.stages.protected.stage passes its inner engine's through)
     @property
     def model_version(self) -> str:  # goes on every reply (an arm's worker adds "@arm")
         ...

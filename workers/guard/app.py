@@ -171,7 +171,7 @@ def restore_lost_shares(config: GuardConfig, book: RolloutBook, writer: Any) -> 
     (a crash between an event and its shares; `events.shares_lost`), and nothing else: a
     language's entry set since its last decision (`tolk arms set`) stays. The languages
     written."""
-    from workers.arm_control import read_entries_since
+    from workers.kafka.arm_control import read_entries_since
 
     entries = read_entries_since(config.kafka_config, config.control_topic)
     written = []

@@ -4,7 +4,7 @@
 rollouts' history and their only state: `tolk rollout start|promote|abort` write an operator
 event (and the shares to the control topic), the guard writes one event per judged window of
 a language in rollout. `read_events` reads the topic to its end (a consumer of no group,
-`assign()` from the beginning, as `workers.arm_control` reads its topic) and `RolloutBook`
+`assign()` from the beginning, as `workers.kafka.arm_control` reads its topic) and `RolloutBook`
 folds the events into one `RolloutState` per language with `policy.apply_event`, so every
 reader (the guard at start, `tolk rollout status`) sees the same states. An undecodable event
 is logged and skipped.
@@ -30,8 +30,8 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from schemas.codec import SchemaError, decode_rollout_event, encode_rollout_event
-from workers.arm_control import publish_shares
 from workers.guard.policy import Decision, RolloutState, apply_event
+from workers.kafka.arm_control import publish_shares
 
 __all__ = [
     "EventWriter",
@@ -268,7 +268,7 @@ class EventWriter:
             raise RuntimeError(f"rollout event not written to {self.events_topic}: {why}")
 
     def write_shares(self, state: RolloutState, *, updated_by: str) -> None:
-        """The state's shares, in force from `SHARE_LEAD_MS` from now (`workers.arm_control`:
+        """The state's shares, in force from `SHARE_LEAD_MS` from now (`workers.kafka.arm_control`:
         both arms route a request by the entry in force at its time)."""
         publish_shares(
             self._kafka,

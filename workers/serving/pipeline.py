@@ -1,29 +1,30 @@
 """The serving pipeline: `build_served_engine`, the one place that composes the serving stages
 around the fair engine, in the order of `STAGES`.
 
-Each stage is a `TranslationEngine` that wraps the one inside it (workers/engine_wrapper.py)
+Each stage is a `TranslationEngine` that wraps the one inside it (workers/stages/wrapper.py)
 and changes how a request (`workers.engine.types.TranslationRequest`) is submitted or
 answered. Their order is part of what each one means, so it is declared here, once; `tolk
 worker`, `tolk demo`, the benchmarks and the tests only choose which are on
 (`ServingOptions`). From the outside in:
 
-1. drills (`--drill-inject-latency|errors`, workers/drill_engine.py): outermost, so that every
+1. drills (`--drill-inject-latency|errors`, workers/stages/drill/stage.py): outermost, so that every
    reply of the arm is drilled as the flag says: cache hits, and contextual turns, which go
    around everything the context stage wraps (the drill once sat inside the context stage,
    and a context arm's turns with history skipped it: a rollback drill injected less than it
    said). The drill changes what the arm replies, not what the model did: a drilled turn's
    real answer is still the conversation's history (as a cache entry it was already).
-2. conversation context (`--context`, workers/context_engine.py): it sends a turn with history
+2. conversation context (`--context`, workers/stages/context/stage.py): it sends a turn with history
    to `uncached` (what the cache wraps: the cache must not answer it nor keep its answer) and
    any other turn through the cache;
-3. the exact-match cache (`--cache`, workers/cache_engine.py): a hit skips 4-6; its key names
+3. the exact-match cache (`--cache`, workers/stages/cache/stage.py): a hit skips 4-6; its key names
    the stages below it (`engine_fingerprint`), so an arm with other stages never shares an
    entry;
-4. span protection (`--protect-spans`, workers/protected_engine.py): it masks before the
+4. span protection (`--protect-spans`, workers/stages/protected/stage.py): it masks before the
    faithfulness checks see the answer, and its unmasked retry is checked too;
-5. faithfulness (`--faithful`, workers/faithful_engine.py): its retry asks for the template's
+5. faithfulness (`--faithful`, workers/stages/faithful/stage.py): its retry asks for the template's
    other prompt form (`retry_form`, given here from the engine's prompt builder);
-6. retrieved examples (`--tm-examples`, workers/tm_engine.py): innermost, it puts the examples
+6. retrieved examples (`--tm-examples`, workers/stages/examples/stage.py): innermost, it puts the
+examples
    into the request, so the faithfulness retry shows the same ones.
 
 Nothing else constructs a stage (tests/workers/test_pipeline.py checks the source). What the
@@ -41,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine.types import RequestHandle, TranslationEngine, TranslationRequest
-from workers.engine_wrapper import EngineWrapper
 from workers.serving.fair_engine import FairEngine
+from workers.stages.wrapper import EngineWrapper
 
 __all__ = [
     "STAGES",
@@ -93,7 +94,7 @@ class Stage:
 
 
 def _drills(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.drill_engine import DrillEngine, parse_drill
+    from workers.stages.drill.stage import DrillEngine, parse_drill
 
     latency, errors = b.options.drill_latency, b.options.drill_errors
     faults = [parse_drill("latency", s) for s in latency] + [
@@ -103,8 +104,8 @@ def _drills(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _context(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.context import ConversationMemory
-    from workers.context_engine import ContextEngine
+    from workers.stages.context.rules import ConversationMemory
+    from workers.stages.context.stage import ContextEngine
 
     if b.prompts is None:
         raise ValueError("conversation context needs the engine's prompt builder")
@@ -116,9 +117,9 @@ def _context(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _cache(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.cache_engine import CachingEngine, engine_fingerprint
     from workers.engine.prompts import prompt_set_version
-    from workers.tm.redis_cache import RedisTranslationCache
+    from workers.stages.cache.redis_l2 import RedisTranslationCache
+    from workers.stages.cache.stage import CachingEngine, engine_fingerprint
 
     s, o = b.settings, b.options
     l2 = o.cache_l2
@@ -139,13 +140,13 @@ def _cache(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _protect_spans(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.protected_engine import ProtectedSpansEngine
+    from workers.stages.protected.stage import ProtectedSpansEngine
 
     return ProtectedSpansEngine(inner)
 
 
 def _faithful(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.faithful_engine import FaithfulEngine
+    from workers.stages.faithful.stage import FaithfulEngine
 
     retry_form = b.prompts.retry_form if b.prompts is not None else None
     return FaithfulEngine(
@@ -157,7 +158,7 @@ def _faithful(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.tm_engine import RetrievedExamplesEngine
+    from workers.stages.examples.stage import RetrievedExamplesEngine
 
     return RetrievedExamplesEngine(inner, b.options.retriever)
 

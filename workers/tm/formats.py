@@ -25,7 +25,8 @@ one broken unit must still import, and the operator must learn which line to fix
   problem ("no reference translation").
 
 The texts are normalized as the exact-match cache normalizes them
-(`workers.tm.cache_key.normalize_text`: NFC, whitespace runs collapsed, ends stripped); the
+(`workers.text_normal.normalize_text`, as the cache key: NFC, whitespace runs collapsed, ends
+stripped); the
 checks on languages and text are the replay log's (`replay.logs.language_problem`,
 `text_problem`: unknown language, source equals target, empty text, U+FFFD or unpaired
 surrogates), so a row the replay job would refuse is refused here too, for the same reason.
@@ -47,7 +48,7 @@ from replay.logs import (
     read_jsonl,
     text_problem,
 )
-from workers.tm.cache_key import normalize_text
+from workers.text_normal import normalize_text
 
 __all__ = [
     "TM_FORMATS",

@@ -37,7 +37,8 @@ coarse centroids and the PQ codebooks are read into memory. (A flat index is map
 **At request time** `PhraseIndexes.nearest(source_lang, target_lang, text, k)` embeds the
 text (about a millisecond) and returns up to k `Neighbour`s, nearest first, each a `TMPair`
 with its cosine similarity (and distance). The retrieved-examples arm option
-(`workers/tm_engine.py`, `tolk worker --tm-examples K`) opens the TM directory this way at
+(`workers/stages/examples/stage.py`, `tolk worker --tm-examples K`) opens the TM directory this
+way at
 worker start (a mismatched index stops the worker with the error above) and hands the
 neighbours to the prompt builder as examples, after the cached language prefix.
 """

@@ -35,8 +35,8 @@ from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import TopicSpec, arm_control_topic, catalog, rollout_events_topic
-from workers.arm_control import read_share_table
 from workers.guard.events import EventWriter, operator_event, read_events
+from workers.kafka.arm_control import read_share_table
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

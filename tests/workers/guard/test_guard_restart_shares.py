@@ -29,10 +29,10 @@ from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import arm_control_topic, catalog, rollout_events_topic
-from workers.arm_control import read_entries_since, read_share_table
 from workers.cli import app
 from workers.guard.events import EventWriter, load_book, operator_event, shares_lost
 from workers.guard.policy import RolloutState
+from workers.kafka.arm_control import read_entries_since, read_share_table
 
 ROOT = Path(__file__).resolve().parents[3]
 STATE = RolloutState("v2-1", "de", "stable", "v2", share=25.0)  # stable 75, v2 25

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from tests.kafka_fixtures import kafka_bootstrap  # noqa: F401
 from topics.admin import ensure_topics
 from topics.catalog import arm_control_topic, catalog, rollout_events_topic
-from workers.arm_control import read_share_table
 from workers.cli import app
 from workers.guard.events import load_book, read_events
+from workers.kafka.arm_control import read_share_table
 
 pytestmark = pytest.mark.kafka
 

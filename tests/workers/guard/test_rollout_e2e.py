@@ -17,7 +17,7 @@ The arm workers must own their partitions before the rollout starts (30 s); a wo
 that ends before that (an exception in `Worker.run`, reported by pytest as an unhandled thread
 exception) fails the wait at once instead of waiting out the timeout, so the two causes of a
 failed wait are told apart (tests/workers/test_arm_worker_startup.py: a start-up failure that
-ended the thread before its consumer subscribed, fixed in workers/arm_control.py).
+ended the thread before its consumer subscribed, fixed in workers/kafka/arm_control.py).
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from tests.workers.fakes import FakeEngine, TopicReader
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
 from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic, rollout_events_topic
-from workers.arm_control import read_share_table
 from workers.arms import split_arm
 from workers.cli import app
 from workers.guard.events import read_events
+from workers.kafka.arm_control import read_share_table
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
 from workers.worker import Worker

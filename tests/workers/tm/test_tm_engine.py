@@ -1,4 +1,5 @@
-"""Retrieved examples in the prompt (workers/tm_engine.py, `PromptBuilder.build(examples=)`).
+"""Retrieved examples in the prompt (workers/stages/examples/stage.py,
+`PromptBuilder.build(examples=)`).
 
 Fast tests: a character tokenizer for the prompt builder, `HashEmbedder` (equal texts, equal
 vectors) for the index, a recording fake engine for the wrapper. The prefix cache on a real
@@ -24,11 +25,8 @@ from workers.engine.types import (
 )
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
-from workers.tm.formats import TMPair
-from workers.tm.phrase_index import IndexMismatchError, PhraseIndex, PhraseIndexes
-from workers.tm.redis_cache import InMemoryTranslationCache
-from workers.tm.store import TranslationMemoryDir
-from workers.tm_engine import (
+from workers.stages.cache.redis_l2 import InMemoryTranslationCache
+from workers.stages.examples.stage import (
     EXAMPLES_KEY,
     NOTE_KEY,
     SIMILARITY_KEY,
@@ -37,6 +35,9 @@ from workers.tm_engine import (
     open_retriever,
     tm_digest,
 )
+from workers.tm.formats import TMPair
+from workers.tm.phrase_index import IndexMismatchError, PhraseIndex, PhraseIndexes
+from workers.tm.store import TranslationMemoryDir
 
 
 class CharTokenizer:
@@ -306,8 +307,8 @@ def run_worker(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[Any, l
 def test_tolk_worker_puts_retrieval_innermost_under_the_faithful_checks(
     monkeypatch: pytest.MonkeyPatch, tm_dir: Path
 ) -> None:
-    import workers.tm_engine as tm_engine
-    from workers.faithful_engine import FaithfulEngine
+    import workers.stages.examples.stage as tm_engine
+    from workers.stages.faithful.stage import FaithfulEngine
 
     opened = []
 
@@ -341,7 +342,7 @@ def test_tolk_worker_without_the_option_has_no_retrieval(monkeypatch: pytest.Mon
 def test_tolk_worker_withholds_by_default_and_takes_the_flag_policy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers.faithful_engine import FaithfulEngine
+    from workers.stages.faithful.stage import FaithfulEngine
 
     result, (served,) = run_worker(monkeypatch, [])
     assert result.exit_code == 0 and isinstance(served.entry, FaithfulEngine)

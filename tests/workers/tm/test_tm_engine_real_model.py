@@ -12,9 +12,9 @@ import pytest
 from tests.workers.tm.test_tm_engine import TM_PAIRS, HashEmbedder
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import TranslationRequest
+from workers.stages.examples.stage import EXAMPLES_KEY, ExampleRetriever, RetrievedExamplesEngine
 from workers.tm.phrase_index import PhraseIndex, PhraseIndexes
 from workers.tm.store import TranslationMemoryDir
-from workers.tm_engine import EXAMPLES_KEY, ExampleRetriever, RetrievedExamplesEngine
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,1 @@
+"""The Kafka side of a record's life: consume, check, submit, reply, commit; arms."""

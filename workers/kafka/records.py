@@ -1,0 +1,52 @@
+"""What the worker holds between reading a record and answering it.
+
+A record remembers the assignment generation of its partition when it was taken
+(`OffsetTracker.generation`): a partition revoked and assigned again starts a new generation,
+so the worker can tell "still mine, same assignment" from "mine again" from "gone" when the
+record's result comes back (`PartitionState.ownership`). An in-flight request counts the engine
+runs it had (`attempts`): a failed run (ERROR) is retried up to `Settings.max_attempts`
+(workers.kafka.engine_retries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.types import RequestHandle
+
+__all__ = ["ConsumedRecord", "InFlight"]
+
+
+@dataclass(slots=True)
+class ConsumedRecord:
+    """One consumed record the worker owes an answer (a reply or a dead letter)."""
+
+    tp: tuple[str, int]  # (topic, partition)
+    offset: int
+    key: bytes | None
+    value: bytes  # the raw record value (dead letters carry it byte for byte)
+    lang: str  # the topic's language: the metric label and the intake bucket
+    broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
+    request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
+    generation: int = 0  # the partition's assignment generation when the record was taken
+    trace_parent: str | None = None  # its W3C traceparent header (read with tracing on)
+    taken_ns: int = 0  # epoch ns when the worker took it from the consumer (lags, tracing)
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.get("request_id", ""))
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A request in the engine, and every record waiting for its answer (redeliveries of the
+    same request id that arrived meanwhile join it instead of being translated twice)."""
+
+    request_id: str
+    lang: str  # the topic's language (intake bucket)
+    handle: RequestHandle  # the engine's future
+    records: list[ConsumedRecord]  # the first one is answered (and stored) first
+    submitted_ms: int  # wall clock when handed to the engine
+    submitted_ns: int = 0  # the same instant in epoch ns (the consume-to-schedule lag)
+    attempts: int = 1  # engine runs so far (a failed run is retried: workers.kafka.engine_retries)

@@ -1,0 +1,1 @@
+"""The stages around the engine, each with its rules (`<name>/rules.py`)."""

@@ -1,0 +1,1 @@
+"""Conversation context: the turns before, in the prompt."""

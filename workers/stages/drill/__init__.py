@@ -1,0 +1,1 @@
+"""A canary made bad on purpose, for rollback drills."""

@@ -1,0 +1,1 @@
+"""Retrieved translation-memory examples in the prompt."""

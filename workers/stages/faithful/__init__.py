@@ -1,0 +1,1 @@
+"""Faithfulness: length caps and checks, a suspect translation retried."""

@@ -1,0 +1,1 @@
+"""Protected spans: masked before translation, restored after."""

@@ -1,0 +1,1 @@
+"""The Redis result store, and the writes kept for later while Redis is down."""
