@@ -4,7 +4,8 @@ For each model, 16 translation prompts built from data/ (several language pairs)
 tokens, float32:
 - batch 1 through the engine with the prefix cache on (the per-language prefix is warm, so only
   the request's own tokens are prefilled): every prompt equal to transformers at batch 1;
-- the same prompts with the prefix cache off: equal too (cached path == uncached path);
+- the first six prompts (one per pool of the set) with the prefix cache off: equal too (cached
+  path == uncached path);
 - all 16 through continuous batching with staggered arrivals (more than 8 in one batch): at
   most 1 in 16 differs, and every divergence is at a near-tie of the reference logits (the gap
   is reported).
@@ -29,6 +30,7 @@ from workers.engine.types import GenerationRequest
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 16
+UNCACHED_PROMPTS = 6  # the uncached pass: the first six, one from each of the set's six pools
 NEW_TOKENS = 32
 # Logit gap (reference top-1 minus top-2) under which a batched-GEMM divergence is acceptable.
 # A batch can flip the greedy token only where the gap is at most |d top1| + |d top2| <= 2 E,
@@ -82,12 +84,14 @@ def _gap_at(ref: Any, prompt: list[int], tokens: list[int], pos: int) -> float:
     return float(top[0] - top[1])
 
 
-def _run_engine(loaded: Any, prefix_cache: bool, batched: bool, tag: str) -> list[list[int]]:
+def _run_engine(
+    loaded: Any, prefix_cache: bool, batched: bool, tag: str, limit: int = N_PROMPTS
+) -> list[list[int]]:
     engine = Engine(
         loaded,
         EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=prefix_cache),
     )
-    reqs = _requests(engine, tag)
+    reqs = _requests(engine, tag)[:limit]
     if prefix_cache:
         engine.warm(sorted({r.group for r in reqs}))
     if not batched:
@@ -117,8 +121,14 @@ def _check(name: str, loaded: Any, ref: Any) -> None:
     mismatches = [i for i in range(N_PROMPTS) if single_cached[i] != expected[i]]
     assert not mismatches, f"{name}: batch-1 cached path differs on prompts {mismatches}"
 
-    single_uncached = _run_engine(loaded, prefix_cache=False, batched=False, tag="u")
-    assert single_uncached == single_cached, f"{name}: cached and uncached paths differ"
+    # cached == uncached is a property of the prefix cache, not of a prompt: the first
+    # UNCACHED_PROMPTS (one per pool of the set) show it at well under half the tokens
+    single_uncached = _run_engine(
+        loaded, prefix_cache=False, batched=False, tag="u", limit=UNCACHED_PROMPTS
+    )
+    assert single_uncached == single_cached[:UNCACHED_PROMPTS], (
+        f"{name}: cached and uncached paths differ"
+    )
 
     batched = _run_engine(loaded, prefix_cache=True, batched=True, tag="b")
     report = []
