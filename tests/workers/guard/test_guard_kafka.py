@@ -120,6 +120,17 @@ def _finished(bootstrap: str, prefix: str) -> bool:
     return {("de", "ROLLBACK"), ("fr", "COMPLETE")} <= actions
 
 
+def _diagnosis(bootstrap: str, prefixes: dict[str, str], run: str, tmp: Path) -> str:
+    """What each guard decided so far and the tail of its log (for a failure message)."""
+    parts = []
+    for name, prefix in prefixes.items():
+        actions = sorted({(e["language"], e["action"]) for e in _window_events(bootstrap, prefix)})
+        log = (tmp / f"guard-{name.lower()}-{run}.log").read_text(errors="replace")
+        tail = "\n".join(line[:200] for line in log.splitlines()[-25:])
+        parts.append(f"guard {name}: actions {actions}; log tail:\n{tail}")
+    return "\n".join(parts)
+
+
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen]]:
     started: list[subprocess.Popen] = []
@@ -220,6 +231,9 @@ def test_guard_killed_mid_window_decides_like_an_uninterrupted_one(
             what="rollback of de and completion of fr in both guards",
             interval=1.0,
         )
+    except AssertionError as exc:  # say which guard stalled, and where its log stopped
+        diagnosis = _diagnosis(kafka_bootstrap, prefixes, run, tmp_path)
+        raise AssertionError(f"{exc}\n{diagnosis}") from None
     finally:
         stop.set()
         thread.join(15)
