@@ -1,19 +1,21 @@
 """Engine parity on real weights: tolk's tokens == transformers' greedy tokens.
 
-For each model, 16 translation prompts built from data/ (several language pairs), 32 new
-tokens, float32:
+For each model, 12 translation prompts built from data/ (two from each of the set's six
+language-pair pools), 32 new tokens, float32:
 - batch 1 through the engine with the prefix cache on (the per-language prefix is warm, so only
   the request's own tokens are prefilled): every prompt equal to transformers at batch 1;
 - the first six prompts (one per pool of the set) with the prefix cache off: equal too (cached
   path == uncached path);
-- all 16 through continuous batching with staggered arrivals (more than 8 in one batch): at
-  most 1 in 16 differs, and every divergence is at a near-tie of the reference logits (the gap
+- all 12 through continuous batching with staggered arrivals (more than 8 in one batch): at
+  most 1 in 12 differs, and every divergence is at a near-tie of the reference logits (the gap
   is reported).
 
 Size: until 2026-12-02 the test ran 32 prompts x 48 tokens (each batch-1 token decoded three
-times: twice by the engine, once by transformers: 4,608 per model); 16 x 32 covers the same
+times: twice by the engine, once by transformers: 4,608 per model); 12 x 32 covers the same
 paths (six language pairs, a warm and a cold prefix, a running batch of more than 8 that new
-requests join) with a third of the tokens.
+requests join) with a quarter of the tokens. On the Xeon at one thread, Gemma 3 with 16
+prompts spent 75 s in transformers' `generate` (the reference), 46 s in the engine's cached
+batch-1 pass, 21 s uncached and 12 s batched.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from workers.engine.types import GenerationRequest
 
 pytestmark = pytest.mark.slow
 
-N_PROMPTS = 16
+N_PROMPTS = 12
 UNCACHED_PROMPTS = 6  # the uncached pass: the first six, one from each of the set's six pools
 NEW_TOKENS = 32
 # Logit gap (reference top-1 minus top-2) under which a batched-GEMM divergence is acceptable.
@@ -141,7 +143,7 @@ def _check(name: str, loaded: Any, ref: Any) -> None:
             report.append((i, pos, float(f"{gap:.3g}")))
     print(f"{name}: continuous batching diverged on {len(report)}/{N_PROMPTS} (prompt, pos, gap): "
           f"{report}")  # fmt: skip
-    assert len(report) <= N_PROMPTS // 16, f"{name}: too many divergences {report}"
+    assert len(report) <= 1, f"{name}: too many divergences {report}"
     assert all(gap < NEAR_TIE for _, _, gap in report), f"{name}: not near-ties {report}"
 
 
