@@ -200,9 +200,8 @@ MAX_LINES = 400
 # says what is left to split.
 LINE_ALLOWLIST: frozenset[str] = frozenset(
     {
-        # still to split (issue 27): the CLI's `tolk worker` assembly and the cache stage
+        # still to split (issue 27): the CLI's `tolk worker` assembly
         "workers/cli.py",
-        "workers/stages/cache/stage.py",
     }
 )
 

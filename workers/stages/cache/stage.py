@@ -2,18 +2,17 @@
 
 Its place in the pipeline is workers/serving/pipeline.py's: around faithfulness, span
 protection and retrieved examples (a hit skips them), inside conversation context and drills.
-Per request (`submit_translation`, on the worker's
-poll thread):
+Per request (`submit_translation`, on the worker's poll thread):
 
 1. The key (`workers.stages.cache.key`): engine fingerprint (model version, arm, the stages
    inside with their `key_note`s, runtime variant), prompt-set version, the engine's default
    prompt form, languages, normalized text. Texts longer than
    `max_text_chars` bypass the cache (straight to the engine, no note).
 2. L1 (`workers.stages.cache.lru_k.LanguageLRUK`, in this process), then L2
-(`workers.stages.cache.redis_l2`,
-   Redis behind a circuit breaker). A hit returns a handle already resolved: status OK (STOP),
-   the cached text, no tokens, `timings.total_s` = the look-up time, and the note
-   `tolk.cache` = `l1` / `l2` (copied into the reply's metadata by `workers.kafka.replies`). An L2
+   (`workers.stages.cache.redis_l2`, Redis behind a circuit breaker). A hit returns a handle
+   already resolved: status OK (STOP), the cached text, no tokens, `timings.total_s` = the
+   look-up time, and the note `tolk.cache` = `l1` / `l2` (copied into the reply's metadata by
+   `workers.kafka.replies`). An L2
    hit is copied into L1.
 3. A miss runs once however many identical requests arrive meanwhile (single flight): the
    first starts a "flight", the inner engine's run under its own request id; the others join
@@ -21,9 +20,8 @@ poll thread):
    `tolk.cache` = `miss` (the one whose id ran) or `joined` (tokens counted once: a joined
    answer reports none). A result that `workers.stages.cache.policy.is_cacheable` accepts (OK by a
    stop rule, not flagged or retried by a stage: its declared fields) goes into L1 at once
-   and into L2 through a writer thread (`workers.stages.cache.write_behind`: the engine's thread
-   never
-   waits on Redis).
+   and into L2 through a writer thread (`workers.stages.cache.write_behind`: the engine's
+   thread never waits on Redis).
 4. A run that ended EXPIRED, REJECTED or CANCELLED does not speak for the joined requests (a
    later deadline, another cancel): those still live start a new flight among themselves. A
    failed run (ERROR) is passed to every participant: the worker's retry rules apply to each,
@@ -60,6 +58,7 @@ from workers.engine.types import (
     TranslationEngine,
     TranslationRequest,
 )
+from workers.stages.cache.answers import NOT_FOR_THE_OTHERS, answer_as, cancelled, failed
 from workers.stages.cache.key import CacheKey, cache_key
 from workers.stages.cache.lru_k import LanguageLRUK
 from workers.stages.cache.policy import is_cacheable
@@ -284,7 +283,7 @@ class CachingEngine(EngineWrapper):
             others = self._land(flight)
             others.pop(waiter.request_id, None)
             for other in others.values():  # joined meanwhile: refused with the same reason
-                other.handle.set_result(_failed(other.request_id, f"engine refused: {exc!r}"))
+                other.handle.set_result(failed(other.request_id, f"engine refused: {exc!r}"))
             raise
         with self._lock:
             flight.inner = inner
@@ -314,10 +313,10 @@ class CachingEngine(EngineWrapper):
         retry: list[_Waiter] = []
         for rid, waiter in waiters.items():
             mine = rid == flight.run_id
-            if not mine and result.finish_reason in _NOT_FOR_THE_OTHERS:
+            if not mine and result.finish_reason in NOT_FOR_THE_OTHERS:
                 retry.append(waiter)
                 continue
-            waiter.handle.set_result(_answer(result, rid, "miss" if mine else "joined"))
+            waiter.handle.set_result(answer_as(result, rid, "miss" if mine else "joined"))
         if retry:
             self._refly(flight, retry, result)
 
@@ -328,7 +327,7 @@ class CachingEngine(EngineWrapper):
         live = []
         for w in waiters:
             if w.request.deadline is not None and now >= w.request.deadline:
-                w.handle.set_result(_answer(result, w.request_id, "joined"))
+                w.handle.set_result(answer_as(result, w.request_id, "joined"))
             else:
                 live.append(w)
         if not live:
@@ -339,7 +338,7 @@ class CachingEngine(EngineWrapper):
             self._fly(again, first)
         except Exception as exc:
             for w in live:
-                w.handle.set_result(_failed(w.request_id, f"engine refused: {exc!r}"))
+                w.handle.set_result(failed(w.request_id, f"engine refused: {exc!r}"))
             return
         for w in rest:
             if not self._join(flight.key, w):  # that flight ended already: a new one
@@ -353,7 +352,7 @@ class CachingEngine(EngineWrapper):
             waiter = flight.waiters.pop(request_id, None)
             inner = flight.inner if not flight.waiters else None
         if waiter is not None:
-            waiter.handle.set_result(_cancelled(request_id))
+            waiter.handle.set_result(cancelled(request_id))
         if inner is not None:
             inner.cancel()  # nobody waits for this run any more
 
@@ -394,33 +393,3 @@ class CachingEngine(EngineWrapper):
     def _l2_state(self, up: bool) -> None:
         if self._metrics is not None:
             self._metrics.cache_l2_up.set(1 if up else 0)
-
-
-# A run that ended so for the request it ran under may still succeed for a joined one.
-_NOT_FOR_THE_OTHERS = (FinishReason.EXPIRED, FinishReason.REJECTED, FinishReason.CANCELLED)
-
-
-def _answer(result: GenerationResult, request_id: str, how: str) -> GenerationResult:
-    """`result` for one participant: its own id, the cache note; a joined one reports no
-    tokens (the run's tokens are counted once, on the request that ran it)."""
-    notes = {**result.notes, meta.CACHE: how}
-    if how == "miss":
-        return dataclasses.replace(result, request_id=request_id, notes=notes, cache_tier=how)
-    return dataclasses.replace(
-        result,
-        request_id=request_id,
-        notes=notes,
-        cache_tier=how,
-        token_ids=[],
-        tokens_in=0,
-        tokens_out=0,
-        cached_tokens=0,
-    )
-
-
-def _cancelled(request_id: str) -> GenerationResult:
-    return GenerationResult(request_id, [], "", FinishReason.CANCELLED, error="cancelled")
-
-
-def _failed(request_id: str, error: str) -> GenerationResult:
-    return GenerationResult(request_id, [], "", FinishReason.ERROR, error=error)
