@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,8 +25,8 @@ import typer
 
 from replay.cli import app as replay_app  # typer only: the replay job loads inside its commands
 from workers.loadtest.cli import load as load_command  # typer only: locust loads inside
+from workers.rollout_cli import arms_app, rollout_app
 from workers.rollout_cli import guard as guard_command
-from workers.rollout_cli import rollout_app
 from workers.tm.cli import app as tm_app  # typer only: faiss and torch load inside
 
 app = typer.Typer(help="tolk: Kafka-native translation inference.", no_args_is_help=True)
@@ -44,8 +43,7 @@ def _every_command() -> None:
 
 
 app.add_typer(topics_app, name="topics")
-arms_app = typer.Typer(help="A/B arms: shares per language (control topic).", no_args_is_help=True)
-app.add_typer(arms_app, name="arms")
+app.add_typer(arms_app, name="arms")  # the shares per language (workers/rollout_cli.py)
 app.add_typer(replay_app, name="replay")
 app.add_typer(tm_app, name="tm")  # translation memories (workers/tm/cli.py)
 app.add_typer(rollout_app, name="rollout")  # canary rollouts (workers/rollout_cli.py)
@@ -68,7 +66,6 @@ def run_stack(command: str, env: dict[str, str] | None = None) -> int:
     if not STACK_SCRIPT.is_file():
         typer.echo(f"compose script not found: {STACK_SCRIPT}", err=True)
         return 2
-    import os
 
     return subprocess.call(["bash", str(STACK_SCRIPT), command], env={**os.environ, **(env or {})})
 
@@ -273,7 +270,6 @@ def worker(
     ] = Path("tm"),
 ) -> None:
     """Run a worker: consume the language topics, translate, reply (Ctrl-C drains and stops)."""
-    import logging
 
     from workers.log_levels import parse_log_level
 
@@ -313,181 +309,36 @@ def worker(
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
     _check_ports_or_exit(settings)  # before the model loads, as is the broker check
     _check_broker_or_exit(settings)
-    retriever = None
-    if tm_examples > 0:  # issue #15 (workers/stages/examples/stage.py): a bad TM refuses before the
-        # model
-        from workers.stages.examples.stage import open_retriever
-        from workers.tm.phrase_index import IndexMismatchError
 
-        try:
-            retriever = open_retriever(tm_dir, tm_examples)
-        except (IndexMismatchError, ValueError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+    from workers.worker_start import StartRefused, WorkerPlan, run_worker
 
-    from workers.engine.autoprobe import resolve_worker_config
-    from workers.engine.disk_cache import cache_root, configure_compile_caches
-    from workers.engine.engine import EngineConfig
-    from workers.serving.fair_engine import build_fair_engine
-
-    root = cache_root(settings.cache_dir)
-    configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
-    try:
-        chosen = resolve_worker_config(
-            settings.model, device=resolved_device, quantize=quantize,
-            compile_decode=compile_decode, auto=auto, cache_root=root,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--quantize") from None
-    from workers.worker import Worker
-
-    policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
-    engine_config = EngineConfig(
-        model=settings.model,
+    plan = WorkerPlan(
         device=device,
-        dtype=chosen.dtype,
-        quantize=chosen.quantize,
-        compile_decode=chosen.compile_decode,
-        compile_in_background=True,  # consume at once, eager until the graphs are ready
-        cache_dir=str(root),
-        warm_languages=tuple(settings.languages),
-        max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
+        resolved_device=resolved_device,
+        triton_kernels=triton_kernels,
+        cuda_graphs=cuda_graphs,
+        quantize=quantize,
+        compile_decode=compile_decode,
+        auto=auto,
+        tm_examples=tm_examples,
+        tm_dir=tm_dir,
+        faithful=faithful_checks,
+        faithful_policy=faithful_policy,
+        protect_spans=protect_spans,
+        cache=cache,
+        context=context,
+        drill_latency=tuple(drill_inject_latency or ()),
+        drill_errors=tuple(drill_inject_errors or ()),
     )
     try:
-        selection, loaded = device_select.select_engine_config(
-            engine_config, device_select.GpuOptions(device, triton_kernels, cuda_graphs)
-        )
-    except device_select.DeviceUnavailable as exc:  # CUDA lost since the first probe
+        code = run_worker(settings, plan)  # workers/worker_start.py
+    except StartRefused as exc:
+        if exc.option:
+            raise typer.BadParameter(str(exc), param_hint=exc.option) from None
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    # Weighted fair share (VTC) across languages, deadline admission, no OK after a deadline.
-    # EngineConfig.warm_languages puts each language's prompt prefix into the prefix cache
-    # before the first request.
-    engine = build_fair_engine(
-        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
-    )
-    from workers.serving.pipeline import ServingOptions, build_served_engine
-
-    final = selection.config  # the translation cache keeps each weight format's answers apart
-    dtype_part = f",dtype={final.dtype}" if final.dtype else ""
-    cache_variant = f"quantize={final.quantize or ''}{dtype_part}"
-
-    # the stages and their order (which one sees which request): workers/serving/pipeline.py
-    served = build_served_engine(
-        engine,
-        settings,
-        ServingOptions(
-            retriever=retriever,
-            faithful=faithful_checks,
-            faithful_policy=faithful_policy,
-            max_new_tokens=max((p.max_new_tokens for p in policies.values()), default=256),
-            protect_spans=protect_spans,
-            cache=settings.cache_enabled if cache is None else cache,
-            cache_variant=cache_variant,
-            drill_latency=tuple(drill_inject_latency or ()),
-            drill_errors=tuple(drill_inject_errors or ()),
-            context=context,
-        ),
-    )
-    runner = Worker(settings, served)
-    from confluent_kafka import KafkaException
-
-    from workers.ports import PortUnavailable
-
-    code = 0
-    try:
-        runner.run()
-    except PortUnavailable as exc:  # taken since the check above
-        typer.echo(f"error: {exc}", err=True)
-        code = 2
-    except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
-        typer.echo(f"error: fatal Kafka error, worker stopped: {exc}", err=True)
-        code = 1
-    _exit_past_compiler(code)
+        raise typer.Exit(exc.code) from None
     if code:
         raise typer.Exit(code)
-
-
-def _exit_past_compiler(code: int) -> None:
-    """A worker stopped while its decode graphs still compile in the background ends here with
-    `os._exit`: its replies are produced and offsets committed (the worker stopped), and the
-    interpreter's normal exit would abort in torch's C++ under the compiling thread
-    (workers/engine/compiled.py, `background_compile_running`)."""
-    from workers.engine.compiled import background_compile_running
-
-    if not background_compile_running():
-        return
-    logging.getLogger(__name__).info(
-        "decode graphs still compiling at exit: exiting without waiting for the compiler"
-    )
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _arms_target(bootstrap: str | None) -> tuple[Any, str]:
-    """(settings, control topic) for the `tolk arms` commands."""
-    from topics.catalog import arm_control_topic
-
-    settings = _settings(bootstrap=bootstrap)
-    return settings, arm_control_topic(settings.topic_prefix)
-
-
-@arms_app.command("set")
-def arms_set(
-    language: Annotated[str, typer.Argument(help="Target language, or '*' for the default.")],
-    shares: Annotated[list[str], typer.Argument(help="ARM=PERCENT ..., summing to 100.")],
-    bootstrap: BootstrapOpt = None,
-    by: Annotated[str | None, typer.Option(help="Who sets it (default user@host).")] = None,
-) -> None:
-    """Set a language's shares: `tolk arms set de A=30 B=70` (workers apply it within 5 s)."""
-    from workers.arms import describe_shares, parse_share_args
-    from workers.kafka.arm_control import ArmControlError, publish_shares
-
-    settings, topic = _arms_target(bootstrap)
-    try:
-        parsed = parse_share_args(shares)
-        publish_shares(settings.kafka_common(), topic, language, parsed, updated_by=by)
-    except (ValueError, ArmControlError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"{language}: {describe_shares(parsed)}")
-
-
-@arms_app.command("clear")
-def arms_clear(
-    language: Annotated[str, typer.Argument(help="Target language, or '*'.")],
-    bootstrap: BootstrapOpt = None,
-) -> None:
-    """Remove a language's entry (a tombstone): it falls back to '*', else every arm serves."""
-    from workers.kafka.arm_control import ArmControlError, publish_shares
-
-    settings, topic = _arms_target(bootstrap)
-    try:
-        publish_shares(settings.kafka_common(), topic, language, None)
-    except (ValueError, ArmControlError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"{language}: cleared")
-
-
-@arms_app.command("show")
-def arms_show(bootstrap: BootstrapOpt = None) -> None:
-    """Print the share table as the workers read it."""
-    from workers.arms import describe_shares
-    from workers.kafka.arm_control import ArmControlError, read_share_table
-
-    settings, topic = _arms_target(bootstrap)
-    try:
-        table = read_share_table(settings.kafka_common(), topic)
-    except ArmControlError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    if not table:
-        typer.echo("no shares configured: every arm serves every request (mirror)")
-    for lang in sorted(table.entries):
-        typer.echo(f"{lang}: {describe_shares(table.entries[lang])}")
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""`tolk guard` and `tolk rollout start|status|promote|abort`: the canary rollout commands.
+"""`tolk guard`, `tolk rollout start|status|promote|abort` and `tolk arms set|clear|show`: the
+commands that move the arms' shares (canary rollouts, and shares set by hand).
 
 Thin commands over `workers.guard`: `rollout start` writes a START event per language to
 `tolk.rollout.events` and the first shares to `tolk.control.arms`; `promote` and `abort`
@@ -18,6 +19,7 @@ import typer
 rollout_app = typer.Typer(
     help="Canary rollouts per language (the guard moves the shares).", no_args_is_help=True
 )
+arms_app = typer.Typer(help="A/B arms: shares per language (control topic).", no_args_is_help=True)
 
 BootstrapOpt = Annotated[
     str | None, typer.Option("--bootstrap", "-b", help="Kafka bootstrap servers.")
@@ -275,3 +277,59 @@ def guard(
     except PortUnavailable as exc:  # another guard (or worker) on this host holds it
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+@arms_app.command("set")
+def arms_set(
+    language: Annotated[str, typer.Argument(help="Target language, or '*' for the default.")],
+    shares: Annotated[list[str], typer.Argument(help="ARM=PERCENT ..., summing to 100.")],
+    bootstrap: BootstrapOpt = None,
+    by: Annotated[str | None, typer.Option(help="Who sets it (default user@host).")] = None,
+) -> None:
+    """Set a language's shares: `tolk arms set de A=30 B=70` (workers apply it within 5 s)."""
+    from workers.arms import describe_shares, parse_share_args
+    from workers.kafka.arm_control import ArmControlError, publish_shares
+
+    settings, _, topic = _target(bootstrap)
+    try:
+        parsed = parse_share_args(shares)
+        publish_shares(settings.kafka_common(), topic, language, parsed, updated_by=by)
+    except (ValueError, ArmControlError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{language}: {describe_shares(parsed)}")
+
+
+@arms_app.command("clear")
+def arms_clear(
+    language: Annotated[str, typer.Argument(help="Target language, or '*'.")],
+    bootstrap: BootstrapOpt = None,
+) -> None:
+    """Remove a language's entry (a tombstone): it falls back to '*', else every arm serves."""
+    from workers.kafka.arm_control import ArmControlError, publish_shares
+
+    settings, _, topic = _target(bootstrap)
+    try:
+        publish_shares(settings.kafka_common(), topic, language, None)
+    except (ValueError, ArmControlError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{language}: cleared")
+
+
+@arms_app.command("show")
+def arms_show(bootstrap: BootstrapOpt = None) -> None:
+    """Print the share table as the workers read it."""
+    from workers.arms import describe_shares
+    from workers.kafka.arm_control import ArmControlError, read_share_table
+
+    settings, _, topic = _target(bootstrap)
+    try:
+        table = read_share_table(settings.kafka_common(), topic)
+    except ArmControlError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if not table:
+        typer.echo("no shares configured: every arm serves every request (mirror)")
+    for lang in sorted(table.entries):
+        typer.echo(f"{lang}: {describe_shares(table.entries[lang])}")

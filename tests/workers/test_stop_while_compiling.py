@@ -4,7 +4,7 @@ Seen on 2026-12-02: `tolk worker` (auto configuration: int8 + compiled decode) g
 second after it started consuming; it drained and stopped, then the interpreter's exit aborted
 the process ("terminate called without an active exception", "Fatal Python error: Aborted",
 exit -6) because the compiling thread was inside torch. The worker now ends with `os._exit`
-once its Kafka work is done (workers/cli.py `_exit_past_compiler`).
+once its Kafka work is done (workers/worker_start.py `exit_past_compiler`).
 
 A real `tolk worker` (SmolLM2, `--compile-decode`), real broker; SIGTERM as soon as it logs
 that it compiles in the background (dynamo alone traces for many seconds, so the compiler is

@@ -1,0 +1,172 @@
+"""`tolk worker` after its options are read: the engine chosen, built, wrapped and served.
+
+`workers/cli.py` parses and checks the command line (log level, ports, device name, broker
+reachable) and hands over a `WorkerPlan`; `run_worker` then
+
+1. opens the TM index when retrieved examples are asked for (a bad one refuses the start);
+2. resolves the weights and compiled decode (flags, else the auto configuration's cached
+   probe, `workers/engine/autoprobe.py`), with the compile caches under the cache root;
+3. picks the engine for the device (`workers/engine/device_select.py`: the GPU path checked
+   against the eager one) and builds the weighted fair engine over the languages' policies;
+4. wraps it in the serving stages through the one builder (`workers/serving/pipeline.py`);
+5. runs the Kafka worker until it is stopped, and returns the process's exit code.
+
+A configuration that cannot start raises `StartRefused` (a message, the exit code, and the
+option to blame when there is one) before any record is consumed. Heavy imports stay inside
+the function so that `tolk --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class StartRefused(Exception):
+    """The worker cannot start as configured (nothing was consumed)."""
+
+    def __init__(self, message: str, code: int = 2, option: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.option = option  # the command-line option at fault, if one is
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the command line asked for, checked (see `tolk worker --help` for each)."""
+
+    device: str  # as asked: auto | cpu | cuda
+    resolved_device: str  # what the device probe resolved it to
+    triton_kernels: bool
+    cuda_graphs: bool
+    quantize: str | None  # None: the auto configuration's choice
+    compile_decode: bool | None
+    auto: bool
+    tm_examples: int  # retrieved examples per prompt (0: none) from the TM in `tm_dir`
+    tm_dir: Path
+    faithful: bool
+    faithful_policy: str
+    protect_spans: bool
+    cache: bool | None  # None: the settings' default (TOLK_CACHE)
+    context: bool
+    drill_latency: tuple[str, ...] = ()
+    drill_errors: tuple[str, ...] = ()
+
+
+def run_worker(settings: Any, plan: WorkerPlan) -> int:
+    """Build the served engine for `settings` and `plan`, run the worker; its exit code."""
+    from workers.engine import device_select
+    from workers.engine.autoprobe import resolve_worker_config
+    from workers.engine.disk_cache import cache_root, configure_compile_caches
+    from workers.engine.engine import EngineConfig
+    from workers.serving.fair_engine import build_fair_engine
+    from workers.serving.pipeline import ServingOptions, build_served_engine
+
+    retriever = _open_retriever(plan) if plan.tm_examples > 0 else None  # before the model
+    root = cache_root(settings.cache_dir)
+    configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
+    try:
+        chosen = resolve_worker_config(
+            settings.model, device=plan.resolved_device, quantize=plan.quantize,
+            compile_decode=plan.compile_decode, auto=plan.auto, cache_root=root,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise StartRefused(str(exc), option="--quantize") from None
+    policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
+    max_new_tokens = max((p.max_new_tokens for p in policies.values()), default=256)
+    engine_config = EngineConfig(
+        model=settings.model,
+        device=plan.device,
+        dtype=chosen.dtype,
+        quantize=chosen.quantize,
+        compile_decode=chosen.compile_decode,
+        compile_in_background=True,  # consume at once, eager until the graphs are ready
+        cache_dir=str(root),
+        warm_languages=tuple(settings.languages),  # each language's prefix cached up front
+        max_new_tokens=max_new_tokens,
+    )
+    try:
+        selection, loaded = device_select.select_engine_config(
+            engine_config,
+            device_select.GpuOptions(plan.device, plan.triton_kernels, plan.cuda_graphs),
+        )
+    except device_select.DeviceUnavailable as exc:  # CUDA lost since the first probe
+        raise StartRefused(str(exc)) from None
+    # weighted fair share (VTC) across languages, deadline admission, no OK after a deadline
+    engine = build_fair_engine(
+        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
+    )
+    final = selection.config  # the translation cache keeps each weight format's answers apart
+    dtype_part = f",dtype={final.dtype}" if final.dtype else ""
+    # the stages and their order (which one sees which request): workers/serving/pipeline.py
+    served = build_served_engine(
+        engine,
+        settings,
+        ServingOptions(
+            retriever=retriever,
+            faithful=plan.faithful,
+            faithful_policy=plan.faithful_policy,
+            max_new_tokens=max_new_tokens,
+            protect_spans=plan.protect_spans,
+            cache=settings.cache_enabled if plan.cache is None else plan.cache,
+            cache_variant=f"quantize={final.quantize or ''}{dtype_part}",
+            drill_latency=plan.drill_latency,
+            drill_errors=plan.drill_errors,
+            context=plan.context,
+        ),
+    )
+    return _serve(settings, served)
+
+
+def _open_retriever(plan: WorkerPlan) -> Any:
+    """The TM index of retrieved examples (workers/stages/examples/stage.py); a bad one
+    refuses the start, before the model loads."""
+    from workers.stages.examples.stage import open_retriever
+    from workers.tm.phrase_index import IndexMismatchError
+
+    try:
+        return open_retriever(plan.tm_dir, plan.tm_examples)
+    except (IndexMismatchError, ValueError) as exc:
+        raise StartRefused(str(exc)) from None
+
+
+def _serve(settings: Any, served: Any) -> int:
+    from confluent_kafka import KafkaException
+
+    from workers.ports import PortUnavailable
+    from workers.worker import Worker
+
+    runner = Worker(settings, served)
+    code = 0
+    try:
+        runner.run()
+    except PortUnavailable as exc:  # taken since the command line checked it
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KafkaException as exc:  # fatal: logged by the worker; the supervisor restarts us
+        print(f"error: fatal Kafka error, worker stopped: {exc}", file=sys.stderr)
+        code = 1
+    exit_past_compiler(code)
+    return code
+
+
+def exit_past_compiler(code: int) -> None:
+    """A worker stopped while its decode graphs still compile in the background ends here with
+    `os._exit`: its replies are produced and offsets committed (the worker stopped), and the
+    interpreter's normal exit would abort in torch's C++ under the compiling thread
+    (workers/engine/compiled.py, `background_compile_running`)."""
+    from workers.engine.compiled import background_compile_running
+
+    if not background_compile_running():
+        return
+    log.info("decode graphs still compiling at exit: exiting without waiting for the compiler")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
