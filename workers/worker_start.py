@@ -12,7 +12,9 @@ reachable) and hands over a `WorkerPlan`; `run_worker` then
 5. runs the Kafka worker until it is stopped, and returns the process's exit code.
 
 A configuration that cannot start raises `StartRefused` (a message, the exit code, and the
-option to blame when there is one) before any record is consumed. Heavy imports stay inside
+option to blame when there is one) before any record is consumed. SIGTERM / SIGINT before the
+worker consumes end the process by their default action (nothing consumed, nothing to drain);
+from then on they stop intake and drain (`Worker.run`). Heavy imports stay inside
 the function so that `tolk --help` answers at once.
 """
 
