@@ -17,27 +17,12 @@ from typing import Any
 
 import pytest
 
+from tests.fake_tokenizer import CharTokenizer
 from topics.catalog import catalog, language_of, request_topic
 from workers.engine import prompts
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import UnsupportedLanguage
 from workers.settings import Settings
-
-
-class CharTokenizer:
-    """One id per character: enough for the prompt builder (prefix/query split, stop ids)."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def convert_tokens_to_ids(self, tokens: str) -> int | None:
-        return None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
 
 
 def _with_portuguese(data: dict[str, Any]) -> dict[str, Any]:

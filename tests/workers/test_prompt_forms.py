@@ -7,26 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.fake_tokenizer import CharTokenizer
 from workers.engine.prompts import PromptBuilder, prompt_forms
-
-
-class CharTokenizer:
-    """One token per character; knows the ChatML markers when `chatml` (as SmolLM2's does)."""
-
-    def __init__(self, chatml: bool) -> None:
-        self.vocab = {"<|im_start|>": 1, "<|im_end|>": 2} if chatml else {}
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def convert_tokens_to_ids(self, tokens: str) -> int | None:
-        return self.vocab.get(tokens)
-
-    def get_vocab(self) -> dict[str, int]:
-        return self.vocab
 
 
 @pytest.fixture

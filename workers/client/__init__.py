@@ -259,19 +259,8 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
         (default: deadline + grace, else `default_timeout`); past it `TranslationTimeout`.
         A non-OK reply raises `TranslationFailed` unless `raise_on_error=False`.
         """
-        if self._tracer is None:
-            return await self._translate(
-                text,
-                to,
-                src,
-                deadline,
-                timeout,
-                conversation_id,
-                model_version,
-                metadata,
-                raise_on_error,
-            )
-        with client_span(self._tracer, to):
+        span = contextlib.nullcontext() if self._tracer is None else client_span(self._tracer, to)
+        with span:
             return await self._translate(
                 text,
                 to,

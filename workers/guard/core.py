@@ -151,19 +151,9 @@ class GuardCore:
     ) -> Any:
         """Decide one window of `state`'s language and write the decision; the decision."""
         lang, w = state.lang, self.window_ms
-        canary = stats_of(
-            counts.get((lang, state.canary)),
-            lang=lang,
-            arm=state.canary,
-            start_ms=start_ms,
-            window_ms=w,
-        )
-        stable = stats_of(
-            counts.get((lang, state.stable)),
-            lang=lang,
-            arm=state.stable,
-            start_ms=start_ms,
-            window_ms=w,
+        canary, stable = (
+            stats_of(counts.get((lang, arm)), lang=lang, arm=arm, start_ms=start_ms, window_ms=w)
+            for arm in (state.canary, state.stable)
         )
         unknown = sum(
             int(c["requests"])

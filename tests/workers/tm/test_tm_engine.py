@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.fake_tokenizer import CharTokenizer
 from workers.engine.prompts import PromptBuilder
 from workers.engine.types import (
     FinishReason,
@@ -38,22 +39,6 @@ from workers.stages.examples.stage import (
 from workers.tm.formats import TMPair
 from workers.tm.phrase_index import IndexMismatchError, PhraseIndex, PhraseIndexes
 from workers.tm.store import TranslationMemoryDir
-
-
-class CharTokenizer:
-    """One token per character (id = code point): decode(encode(t)) == t."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def convert_tokens_to_ids(self, tokens: str) -> int | None:
-        return None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
 
 
 class HashEmbedder:
