@@ -5,7 +5,8 @@ reachable) and hands over a `WorkerPlan`; `run_worker` then
 
 1. opens the TM index when retrieved examples are asked for (a bad one refuses the start);
 2. resolves the weights and compiled decode (flags, else the auto configuration's cached
-   probe, `workers/engine/autoprobe.py`), with the compile caches under the cache root;
+   probe, `workers/engine/autoprobe.py`), with the compile caches under the cache root, and
+   the running batch's cap from the probe's speeds (`workers/engine/batch_cap.py`);
 3. picks the engine for the device (`workers/engine/device_select.py`: the GPU path checked
    against the eager one) and builds the weighted fair engine over the languages' policies;
 4. wraps it in the serving stages through the one builder (`workers/serving/pipeline.py`);
@@ -65,6 +66,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     """Build the served engine for `settings` and `plan`, run the worker; its exit code."""
     from workers.engine import device_select
     from workers.engine.autoprobe import resolve_worker_config
+    from workers.engine.batch_cap import choose_batch_cap
     from workers.engine.disk_cache import cache_root, configure_compile_caches
     from workers.engine.engine import EngineConfig
     from workers.serving.fair_engine import build_fair_engine
@@ -74,14 +76,22 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     root = cache_root(settings.cache_dir)
     configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
     try:
-        chosen = resolve_worker_config(
+        choice = resolve_worker_config(
             settings.model, device=plan.resolved_device, quantize=plan.quantize,
             compile_decode=plan.compile_decode, auto=plan.auto, cache_root=root,
         )  # fmt: skip
     except ValueError as exc:
         raise StartRefused(str(exc), option="--quantize") from None
+    chosen = choice.candidate
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
     max_new_tokens = max((p.max_new_tokens for p in policies.values()), default=256)
+    # the running batch's cap from the probe's speeds and the tightest SLO (batch_cap.py)
+    cap = choose_batch_cap(
+        choice.tok_s_by_batch,
+        min((p.slo_p99_s for p in policies.values()), default=None),
+        EngineConfig().max_num_seqs,
+    )
+    log.info("running batch cap %s", cap.reason)
     engine_config = EngineConfig(
         model=settings.model,
         device=plan.device,
@@ -92,6 +102,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         cache_dir=str(root),
         warm_languages=tuple(settings.languages),  # each language's prefix cached up front
         max_new_tokens=max_new_tokens,
+        max_num_seqs=cap.max_num_seqs,
     )
     try:
         selection, loaded = device_select.select_engine_config(

@@ -10,6 +10,7 @@ import pytest
 from workers.engine.autoconfig import (
     FALLBACK,
     Candidate,
+    Choice,
     Gate,
     Measurement,
     Overrides,
@@ -121,16 +122,16 @@ def test_both_flags_given_skip_the_probe(tmp_path: Path) -> None:
         auto=True,
         cache_root=tmp_path,
     )
-    assert got == I8
+    assert got.candidate == I8 and not got.tok_s_by_batch  # no speeds: the default batch cap
     off = resolve_worker_config(
         "no-such-model", device="cpu", quantize=None, compile_decode=None, auto=False,
         cache_root=tmp_path,
     )  # fmt: skip
-    assert off == F32
+    assert off.candidate == F32
     assert resolve_worker_config(
         "no-such-model", device="cuda", quantize="none", compile_decode=None, auto=True,
         cache_root=tmp_path,
-    ) == F32  # fmt: skip
+    ).candidate == F32  # fmt: skip
     with pytest.raises(ValueError, match="--quantize"):
         resolve_worker_config(
             "m", device="cpu", quantize="int4", compile_decode=None, auto=False,
@@ -161,6 +162,9 @@ def test_auto_choice_loads_and_translates(tmp_path: Path, caplog: pytest.LogCapt
         again = auto_config("smollm2-135m", tmp_path, over)
     assert again.candidate == choice.candidate
     assert "probe cached" in caplog.text
+    # the chosen candidate's speeds at every probed batch size, stored and read back
+    assert sorted(choice.tok_s_by_batch) == [1, 8, 16, 32]
+    assert dict(again.tok_s_by_batch) == dict(choice.tok_s_by_batch)
     engine = Engine.from_config(
         EngineConfig(
             model="smollm2-135m",
@@ -202,10 +206,11 @@ def test_tolk_worker_builds_the_engine_the_resolution_chose(
     configs: list[object] = []
 
     def resolve(model: str, *, device: str, quantize: str | None, compile_decode: bool | None,
-                auto: bool, cache_root: Path) -> Candidate:  # fmt: skip
+                auto: bool, cache_root: Path) -> Choice:  # fmt: skip
         seen.append(("auto" if auto else "fixed", quantize, compile_decode))
         assert cache_root == tmp_path
-        return I8C
+        # at batch 16 the step is 2x slower for 10 % more tokens/s: the cap stays at 8
+        return Choice(I8C, "test", (), {1: 50.0, 8: 220.0, 16: 242.0, 32: 215.0})
 
     monkeypatch.setattr(cli, "_check_broker_or_exit", lambda settings: None)
     monkeypatch.setattr(autoprobe, "resolve_worker_config", resolve)
@@ -224,6 +229,7 @@ def test_tolk_worker_builds_the_engine_the_resolution_chose(
     (config,) = configs
     assert config.quantize == "int8" and config.compile_decode  # type: ignore[attr-defined]
     assert config.compile_in_background  # type: ignore[attr-defined]
+    assert config.max_num_seqs == 8  # type: ignore[attr-defined]
 
 
 def test_a_stored_probe_is_reused_only_if_it_measured_what_can_be_chosen() -> None:

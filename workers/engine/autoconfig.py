@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,17 @@ class Measurement:
     tok_s_b1: float | None
     tok_s_b8: float | None
     note: str = ""
+    # tokens/s at the larger batch sizes, ((16, x), (32, y)): the running batch's cap
+    # (workers/engine/batch_cap.py), not the ranking
+    larger: tuple[tuple[int, float], ...] = ()
+
+    def tok_s_by_batch(self) -> dict[int, float]:
+        """Every measured batch size's decode tokens/s."""
+        out = dict(self.larger)
+        for batch, speed in ((1, self.tok_s_b1), (8, self.tok_s_b8)):
+            if speed:
+                out[batch] = speed
+        return out
 
     @property
     def score(self) -> float | None:
@@ -108,6 +119,7 @@ class Choice:
     candidate: Candidate
     reason: str
     lines: tuple[str, ...]  # one per candidate: speeds, gate, why (not) chosen
+    tok_s_by_batch: Mapping[int, float] = field(default_factory=dict)  # the chosen one's
 
 
 FALLBACK = Candidate("float32", compile_decode=False)
@@ -194,4 +206,4 @@ def choose(
         f"{best.candidate.label}: fastest that passes the quality gate or that the flags name "
         f"(sqrt(b1*b8) {best.score:.1f} tok/s{versus}; flags: {over.describe()})"
     )
-    return Choice(best.candidate, reason, tuple(lines))
+    return Choice(best.candidate, reason, tuple(lines), best.tok_s_by_batch())

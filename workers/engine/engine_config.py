@@ -24,9 +24,11 @@ class EngineConfig:
     device: str = "cpu"
     quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
     # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
-    # two graphs compiled at start-up: ~3 min the first time, then from inductor's disk cache
+    # two graphs compiled at start-up: ~3 min the first time, then from inductor's disk cache.
+    # The graph is dynamic in the batch size, so a larger limit costs no compilation; compiled
+    # steps beat eager ones at every batch size measured (8-32, docs/BENCHMARKS.md)
     compile_decode: bool = False
-    compile_max_batch: int = 8
+    compile_max_batch: int = 32
     # compile those graphs on a background thread while the engine serves eagerly (the worker:
     # it consumes at once and gets faster when they are ready); False: before serving
     compile_in_background: bool = False
@@ -43,7 +45,7 @@ class EngineConfig:
     fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
-    max_num_seqs: int = 32  # running batch cap
+    max_num_seqs: int = 32  # running batch cap (`tolk worker`: from its probe, batch_cap.py)
     max_num_batched_tokens: int = 512  # per-step token budget (decode + prefill chunks)
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
