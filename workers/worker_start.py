@@ -113,8 +113,9 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         raise StartRefused(str(exc)) from None
     # weighted fair share (VTC) across languages, deadline admission, no OK after a deadline
     engine = build_fair_engine(
-        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded
-    )
+        selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded,
+        decode_step_s=cap.step_s,
+    )  # fmt: skip
     final = selection.config  # the translation cache keeps each weight format's answers apart
     dtype_part = f",dtype={final.dtype}" if final.dtype else ""
     # the stages and their order (which one sees which request): workers/serving/pipeline.py

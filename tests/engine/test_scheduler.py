@@ -161,3 +161,30 @@ def test_partial_prefix_hit_schedules_only_the_rest_and_a_block_copy():
     assert (copy.group, copy.src, copy.num_slots) == ("full", 2, 2)
     assert copy.dst == s.kv.block_table("b", "full")[1]
     assert out.chunks[0].seq.num_cached == 6
+
+
+def test_pace_hook_holds_other_groups_newcomers_for_a_step():
+    s = make(budget=64, max_seqs=4)
+    seen: list[list[tuple[str, int]]] = []
+
+    def pace(running, now):
+        seen.append([(r.request_id, n) for r, n in running])
+        return frozenset({"en"})  # only English newcomers while this hook says so
+
+    s.pace = pace
+    light = GenerationRequest("light", list(range(100, 104)), SamplingParams(5), group="en")
+    s.add_request(light)
+    out, _ = run_step(s)
+    assert plan(out) == [("light", 0, 4)]  # nothing ran yet: the hook is not asked
+    assert seen == []
+    heavy = GenerationRequest("heavy", list(range(200, 204)), SamplingParams(5), group="de")
+    light2 = GenerationRequest("light2", list(range(300, 304)), SamplingParams(5), group="en")
+    s.add_request(heavy)
+    s.add_request(light2)
+    out, _ = run_step(s)
+    # the queue's head is German: held, and the English one behind it keeps its place (FCFS)
+    assert plan(out) == [("light", 4, 1)]
+    assert seen == [[("light", 1)]]
+    s.pace = None
+    out, _ = run_step(s)
+    assert [c.seq.request_id for c in out.chunks] == ["light", "heavy", "light2"]

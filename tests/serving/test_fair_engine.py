@@ -14,6 +14,7 @@ from workers.engine.types import FinishReason, GenerationRequest, TranslationReq
 from workers.fairness.policy import LanguagePolicy
 from workers.fairness.vtc import OUTPUT_TOKEN_COST, VTCQueue
 from workers.serving.fair_engine import build_fair_engine
+from workers.serving.pace import SloPace
 
 pytestmark = pytest.mark.slow
 
@@ -111,6 +112,11 @@ def test_fair_engine_deadlines_and_learning(smollm2: Any) -> None:
     )
     fe.engine.warm(list(WEIGHTS))
     assert fe.admission is not None
+    # the pace hook (workers/serving/pace.py) with the languages' SLOs and the prior's step at
+    # this batch cap (no probe here): 9 ms + 2.7 ms x 4
+    pace = fe.engine.scheduler.pace
+    assert isinstance(pace, SloPace) and pace.slo_s == {g: 5.0 for g in WEIGHTS}
+    assert pace.decode_step_s == pytest.approx(0.009 + 0.0027 * 4)
     admitted_before = fe.admission.counts["admitted"]  # the warm-up requests went through it
     fe.start()
     try:

@@ -48,6 +48,7 @@ TYPICAL_OUTPUT_TOKENS = 32
 class BatchCap:
     max_num_seqs: int
     reason: str  # logged at start-up: the figures behind the choice
+    step_s: float | None = None  # a decode-only step at the cap, as measured (None: not)
 
 
 def choose_batch_cap(
@@ -72,4 +73,4 @@ def choose_batch_cap(
                 f"{TYPICAL_OUTPUT_TOKENS} tokens in a full batch within the tightest SLO "
                 f"{tightest_slo_s:g} s"
             )
-    return BatchCap(cap, f"{cap} ({why}; {figures})")
+    return BatchCap(cap, f"{cap} ({why}; {figures})", cap / measured[cap])

@@ -21,11 +21,12 @@ eagerly until the graphs are ready, then decode steps switch to them.
 The engine uses it for decode-only steps of at most `max_batch` sequences (`EngineConfig.
 compile_decode`, `compile_max_batch`); prefill and mixed steps, and larger decode batches,
 stay eager. The eager path's cascade attention reads a shared language prefix once, but at
-batch 12-32 the compiled step was still faster (Gemma 3 270M int8, AMD EPYC Zen 4: 57 vs 80 ms at 12,
-64 vs 101 at 16, 149 vs 156 at 32), so the limit defaults to the whole batch. Results are the same
-function up to float rounding (inductor sums reductions in another order), so greedy tokens
-can differ from eager ones only at near-ties; tests/engine/test_compiled.py checks them
-against transformers (tiny Llama and Gemma 3) and the eager engine (SmolLM2's real weights).
+batch 12-32 the compiled step was still faster (Gemma 3 270M int8, AMD EPYC Zen 4: 57 vs 80
+ms at 12, 64 vs 101 at 16, 149 vs 156 at 32), so the limit defaults to the whole batch.
+Results are the same function up to float rounding (inductor sums reductions in another
+order), so greedy tokens can differ from eager ones only at near-ties;
+tests/engine/test_compiled.py checks them against transformers (tiny Llama and Gemma 3) and
+the eager engine (SmolLM2's real weights).
 """
 
 from __future__ import annotations

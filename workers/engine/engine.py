@@ -249,6 +249,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         the conversation so far (workers/stages/context/stage.py), between the cached prefix and the
         rest."""
         ids, prefix_len = self.prompts.build(text, source_lang, target_lang, prompt_form, examples)
+        # a translation is about as long as its query (the prompt less its cached prefix;
+        # retrieved examples count too): out ~0.85x that on the support mix (docs/BENCHMARKS.md)
+        query_tokens = max(1, len(ids) - prefix_len)
         if history:
             ids[prefix_len:prefix_len] = history
         stop_nl = self.prompts.stop_rules.stop_at_newline and not ignore_eos
@@ -263,7 +266,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             params,
             group=target_lang,
             deadline=deadline,
-            expected_output_tokens=min(params.max_new_tokens, 2 * len(ids) // 3 + 8),
+            expected_output_tokens=min(params.max_new_tokens, query_tokens),
         )
 
     def count_tokens(self, text: str) -> int:

@@ -13,7 +13,9 @@ rest of its `token_ids` computed. Each step:
    fair-share VTC queue of `workers.fairness`), each charged for its *uncached* prompt tokens,
    while budget, batch slots and KV blocks last. Requests already past their deadline are
    expired here, before any prefill is spent on them; an optional `admission` hook may reject
-   those that would miss it.
+   those that would miss it, and an optional `pace` hook may hold newcomers back for a step
+   (a newcomer's prefill slows the whole step; the hook names the groups still let in while a
+   running request needs fast steps to make its SLO, `workers/serving/pace.py`).
 
 So decode of running requests is never stalled by a long newcomer: the newcomer's prefill is
 cut into chunks that fit what the budget leaves over.
@@ -33,6 +35,7 @@ from workers.engine.types import (
     AdmissionHook,
     FinishReason,
     GenerationRequest,
+    PaceHook,
     RequestQueue,
 )
 
@@ -114,6 +117,7 @@ class Scheduler:
         self.kv = kv
         self.queue = queue
         self.admission = admission
+        self.pace: PaceHook | None = None  # set by the serving layer (workers/serving/pace.py)
         self.clock = clock
         self.running: list[SequenceState] = []
         self.preempted: deque[SequenceState] = deque()  # resumed before any newcomer
@@ -160,8 +164,11 @@ class Scheduler:
             break  # seq itself was preempted: it was the last running one
 
         # 2. newcomers: preempted ones first, then the waiting queue's policy order.
+        allowed = self._allowed_groups(now)
         if not preempted:
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                if allowed is not None and not self._head_allowed(allowed):
+                    break  # held for this step: the head of the queue would slow a late one
                 waiting = self._next_waiting(now, finished)
                 if waiting is None:
                     break
@@ -219,6 +226,16 @@ class Scheduler:
         return finished
 
     # -- helpers --------------------------------------------------------------------------
+    def _allowed_groups(self, now: float) -> frozenset[str] | None:
+        if self.pace is None or not self.running:
+            return None
+        return self.pace([(s.request, len(s.output_ids)) for s in self.running], now)
+
+    def _head_allowed(self, allowed: frozenset[str]) -> bool:
+        """Whether the next newcomer (a preempted one first, else the queue's head) may start."""
+        head = self.preempted[0].request if self.preempted else self.queue.peek()
+        return head is None or head.group in allowed
+
     def _next_waiting(
         self, now: float, finished: list[SequenceState]
     ) -> tuple[SequenceState, int | None] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,6 +152,13 @@ class AdmissionDecision:
 # decision. The engine takes one as a plain callable; the fair-share deadline admission
 # (workers.serving.admission) is the real one.
 AdmissionHook = Callable[[GenerationRequest, float, int, int], AdmissionDecision]
+
+# The scheduler's pace hook: (running requests with the tokens each has generated, now) -> the
+# fair-share groups a newcomer may come from this step, or None for any. A newcomer's prefill
+# makes its step several times slower for every running request; the serving layer's hook
+# (workers.serving.pace) holds newcomers back while a running request needs fast steps to make
+# its SLO.
+PaceHook = Callable[[Sequence[tuple[GenerationRequest, int]], float], frozenset[str] | None]
 
 
 class RequestHandle:

@@ -39,10 +39,11 @@ from workers.engine.types import (
     Timings,
     TranslationRequest,
 )
-from workers.fairness.latency_model import LatencyModel
+from workers.fairness.latency_model import LatencyModel, LatencyPrior
 from workers.fairness.policy import DEFAULT_BURST_TOKENS, LanguagePolicy
 from workers.fairness.vtc import FCFSQueue, VTCQueue
 from workers.serving.admission import EngineAdmission
+from workers.serving.pace import SloPace
 from workers.serving.queue_snapshot import GuardedQueue, QueueSnapshot, snapshot_of
 
 if TYPE_CHECKING:
@@ -231,6 +232,7 @@ def build_fair_engine(
     precheck: bool = True,
     burst_tokens: float = DEFAULT_BURST_TOKENS,
     loaded: LoadedModel | None = None,
+    decode_step_s: float | None = None,
 ) -> FairEngine:
     """An Engine wired with `VTCQueue.from_policies` (fair) or `FCFSQueue` and `EngineAdmission`.
 
@@ -238,6 +240,10 @@ def build_fair_engine(
     EngineConfig (the model is loaded by `Engine.from_config`). `burst_tokens`: the VTC queue's
     burst credit for a language returning from idle (0 = the paper's lift). `loaded`, with an
     EngineConfig: the model already loaded on its device (`Engine.from_config(loaded=)`).
+    With `fair`, the scheduler's pace hook holds newcomers back while a running request needs
+    fast steps to make its language's SLO (workers.serving.pace); `decode_step_s` is a
+    decode-only step at the running batch's cap (the start-up probe's; default: the latency
+    prior's per-token constants at that batch).
     """
     from workers.engine.engine import Engine, EngineConfig
 
@@ -251,4 +257,11 @@ def build_fair_engine(
         engine = Engine.from_config(loaded_or_config, loaded, request_queue=queue, admission=hook)
     else:
         engine = Engine(loaded_or_config, config, request_queue=queue, admission=hook)
+    if fair:
+        if decode_step_s is None:
+            prior = LatencyPrior()
+            batch = engine.config.max_num_seqs
+            decode_step_s = prior.decode_s_per_token + prior.decode_s_per_token_per_seq * batch
+        slo = {group: policy.slo_p99_s for group, policy in policies.items()}
+        engine.scheduler.pace = SloPace(slo, decode_step_s)
     return FairEngine(engine, hook, precheck=precheck)
