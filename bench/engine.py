@@ -616,7 +616,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", type=parse_csv, default=list(SYSTEMS))
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda (tolk and transformers)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="tolk only")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="tolk only")
     p.add_argument(
         "--compile-decode",
         action="store_true",

@@ -51,7 +51,10 @@ def _head_ms(model: Any, repeats: int = 20) -> tuple[float, int]:
         for _ in range(repeats):
             head(x)
     seconds = (time.perf_counter() - t0) / repeats
-    return seconds * 1e3, head.weight.numel() * head.weight.element_size()
+    nbytes = sum(t.numel() * t.element_size() for t in head.buffers()) or (
+        head.weight.numel() * head.weight.element_size()
+    )  # int8 / int4: codes and scales; float32: the parameter
+    return seconds * 1e3, nbytes
 
 
 def profile_steps(args: argparse.Namespace) -> JSON:
@@ -129,7 +132,7 @@ def profile_steps(args: argparse.Namespace) -> JSON:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--quantize", choices=["int8"], default=None)
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
     p.add_argument("--compile-decode", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="timed decode steps")

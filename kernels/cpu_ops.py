@@ -1,6 +1,8 @@
 """tolk's C++ CPU ops (`kernels/cpu/*.cpp`), built on first use and loaded as `torch.ops.tolk`.
 
 - `tolk::int8_linear(x, w, scales, exact_float32=False)`: see `kernels/int8_linear.py`.
+- `tolk::int4_linear(x, w, scales, mins)` (and `int4_linear_plain`, its portable float32 loop):
+  see `kernels/int4_linear.py`.
 - `tolk::decode_attention(q, k_cache, v_cache, blocks, valid, scale, softcap=None)`: see
   `kernels/attention.py` (`decode_attention`).
 - `tolk::screened_argmax(x, approx, weight, act, wt, softcap=None)`: see
@@ -107,6 +109,10 @@ def error() -> str | None:
 def _register_fakes() -> None:
     @torch.library.register_fake("tolk::int8_linear")
     def _int8_linear(x: Tensor, w: Tensor, scales: Tensor, exact_float32: bool = False) -> Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("tolk::int4_linear")
+    def _int4_linear(x: Tensor, w: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("tolk::decode_attention")

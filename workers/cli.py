@@ -188,8 +188,8 @@ def worker(
     quantize: Annotated[
         str | None,
         typer.Option(
-            help="Weights: 'none' (float32), 'bfloat16' or 'int8' (weight-only, tolk's CPU "
-            "kernel). Default: the auto configuration's choice."
+            help="Weights: 'none' (float32), 'bfloat16', 'int8' or 'int4' (weight-only, "
+            "group-wise; tolk's CPU kernels). Default: the auto configuration's choice."
         ),
     ] = None,
     compile_decode: Annotated[

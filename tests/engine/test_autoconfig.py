@@ -9,6 +9,7 @@ import pytest
 
 from workers.engine.autoconfig import (
     FALLBACK,
+    FORMATS,
     Candidate,
     Choice,
     Gate,
@@ -104,6 +105,14 @@ def test_gate_table_deltas_decide() -> None:
     assert "no recorded gate" in gate_for("other", "int8", table).detail
 
 
+def test_int4_is_a_candidate_format_of_its_own() -> None:
+    assert "int4" in FORMATS
+    c = Candidate("int4", compile_decode=True)
+    assert c.quantize == "int4" and c.dtype is None and c.label == "int4+compiled"
+    with pytest.raises(ValueError, match="unknown weight format"):
+        Candidate("int3", False)
+
+
 def test_the_recorded_gate_covers_the_shipped_models() -> None:
     table = load_gate_table()
     for model in ("gemma3-270m", "smollm2-135m"):
@@ -134,7 +143,7 @@ def test_both_flags_given_skip_the_probe(tmp_path: Path) -> None:
     ).candidate == F32  # fmt: skip
     with pytest.raises(ValueError, match="--quantize"):
         resolve_worker_config(
-            "m", device="cpu", quantize="int4", compile_decode=None, auto=False,
+            "m", device="cpu", quantize="int3", compile_decode=None, auto=False,
             cache_root=tmp_path,
         )  # fmt: skip
 
@@ -154,7 +163,7 @@ def test_auto_choice_loads_and_translates(tmp_path: Path, caplog: pytest.LogCapt
     with caplog.at_level(logging.INFO, logger="workers.engine.autoprobe"):
         choice = auto_config("smollm2-135m", tmp_path, over)
     lines = [r.getMessage() for r in caplog.records if "auto config candidate" in r.getMessage()]
-    assert len(lines) == 3  # float32, bfloat16, int8 (each measured or said why not)
+    assert len(lines) == 4  # float32, bfloat16, int8, int4 (each measured or said why not)
     assert not choice.candidate.compile_decode
     assert list((tmp_path / "probes").glob("auto-*.json"))
     caplog.clear()
@@ -235,7 +244,7 @@ def test_tolk_worker_builds_the_engine_the_resolution_chose(
 def test_a_stored_probe_is_reused_only_if_it_measured_what_can_be_chosen() -> None:
     from workers.engine.autoprobe import _covers
 
-    gates = {"float32": PASS, "bfloat16": FAIL, "int8": PASS}
+    gates = {"float32": PASS, "bfloat16": FAIL, "int8": PASS, "int4": FAIL}
     only_int8 = [Measurement(F32, None, None, "another format asked for"), *SPEEDS[2:]]
     assert _covers(only_int8, gates, Overrides(weights="int8"))
     assert not _covers(only_int8, gates, Overrides())  # float32 never measured: probe again

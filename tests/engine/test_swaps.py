@@ -11,6 +11,7 @@ from kernels.int8_linear import quantize_int8
 from workers.engine import linear_backends
 from workers.engine.linear_backends import ProbedLinear, probed_linears_available
 from workers.engine.swaps import (
+    WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     convert_for_runtime,
     fuse_qkv,
@@ -71,6 +72,28 @@ def test_convert_for_runtime_int8_keeps_the_model_dtype(tiny_config) -> None:
     assert model.embed.weight.dtype == torch.float32  # norms and embeddings untouched
     convert_for_runtime(model, "int8")  # idempotent
     assert sum(isinstance(m, WeightOnlyInt8Linear) for m in model.modules()) == len(int8)
+
+
+def test_convert_for_runtime_int4_keeps_the_head_int8_and_stays_close(tiny_config) -> None:
+    # hidden 64 (int4 needs a multiple of 32), intermediate 48 (down_proj's input: not one)
+    cfg = tiny_config("llama", vocab_size=256, num_hidden_layers=2, intermediate_size=48)
+    model = _tiny_model(cfg)
+    q_float = model.layers[0].attn.q_proj.weight.detach().clone()
+    convert_for_runtime(model, "int4")
+    int4 = [m for m in model.modules() if isinstance(m, WeightOnlyInt4Linear)]
+    int8 = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)]
+    assert len(int4) == 2 * 6  # per layer: q, k, v, o, gate, up (input width 64)
+    assert len(int8) == 2 + 1  # per layer down_proj (input 48); the LM head
+    assert isinstance(model.lm_head, WeightOnlyInt8Linear)
+    q = model.layers[0].attn.q_proj
+    assert isinstance(q, WeightOnlyInt4Linear)
+    assert q.weight.dtype == torch.uint8 and q.scales.dtype == torch.float16
+    x = torch.randn(3, 64)
+    want = x @ q_float.T
+    err = (q(x) - want).norm() / want.norm()
+    assert 1e-4 < float(err) < 0.15  # lossy (4 bits), but the same map
+    with pytest.raises(ValueError, match="int4"):
+        convert_for_runtime(model, "int3")
 
 
 def _tiny_model(hf_config: object) -> nn.Module:

@@ -1,9 +1,10 @@
 """The worker's configuration picked by itself: the fastest candidate that passes the quality gate.
 
 A candidate is a weight format (`float32`, `bfloat16`, `int8`: weight-only int8 projections and
-LM head with float32 activations) and whether small decode batches run compiled
-(`compile_decode`). Its speed is measured on this machine and model by a short probe
-(`workers/engine/autoprobe.py`: a few decode steps at batch 1 and 8, cached on disk); its quality
+LM head, `int4`: group-wise int4 projections and an int8 LM head; both with float32
+activations) and whether small decode batches run compiled (`compile_decode`). Its speed is
+measured on this machine and model by a short probe (`workers/engine/autoprobe.py`: a few
+decode steps at batch 1 and 8, cached on disk); its quality
 is the *recorded* gate (`quality_gate.json` beside this module, written once per model and format
 by `bench/quality_gate.py`): chrF on a fixed dev slice within `GATE_CHRF` of float32 in every
 direction. float32 is the reference and always passes; a format without a recorded gate for the
@@ -29,14 +30,14 @@ from typing import Any
 
 GATE_FILE = Path(__file__).with_name("quality_gate.json")
 GATE_CHRF = 1.0  # chrF points below float32 a format may lose, in any direction
-FORMATS = ("float32", "bfloat16", "int8")
+FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One configuration the worker can run."""
 
-    weights: str  # "float32" | "bfloat16" | "int8"
+    weights: str  # "float32" | "bfloat16" | "int8" | "int4"
     compile_decode: bool
 
     def __post_init__(self) -> None:
@@ -46,7 +47,7 @@ class Candidate:
     @property
     def quantize(self) -> str | None:
         """`EngineConfig.quantize`."""
-        return "int8" if self.weights == "int8" else None
+        return self.weights if self.weights in ("int8", "int4") else None
 
     @property
     def dtype(self) -> str | None:

@@ -239,7 +239,13 @@ def _from_json(d: dict[str, Any]) -> Measurement:
     )
 
 
-QUANTIZE_FLAGS = {"none": "float32", "float32": "float32", "bfloat16": "bfloat16", "int8": "int8"}
+QUANTIZE_FLAGS = {
+    "none": "float32",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "int8": "int8",
+    "int4": "int4",
+}
 
 
 def resolve_worker_config(

@@ -22,7 +22,7 @@ class EngineConfig:
     model: str = "gemma3-270m"  # preset name, .gguf path or HF checkpoint directory
     dtype: str | None = None  # "float32" / "bfloat16"; None = float32 on CPU, bf16 on CUDA
     device: str = "cpu"
-    quantize: str | None = None  # None or "int8" (weight-only, see workers/engine/swaps.py)
+    quantize: str | None = None  # None, "int8" or "int4" (weight-only, workers/engine/swaps.py)
     # decode-only steps of <= compile_max_batch sequences through torch.compile (compiled.py);
     # two graphs compiled at start-up: ~3 min the first time, then from inductor's disk cache.
     # The graph is dynamic in the batch size, so a larger limit costs no compilation; compiled

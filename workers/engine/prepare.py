@@ -48,6 +48,7 @@ from workers.engine import hugepages, linear_backends
 from workers.engine.loader import LoadedModel
 from workers.engine.model import Attention, Block, Transformer
 from workers.engine.swaps import (
+    WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     convert_for_runtime,
     fuse_qkv,
@@ -57,7 +58,7 @@ from workers.engine.swaps import (
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
 _RECORD_ATTR = "_tolk_prepared"  # the PreparedModel, a plain attribute of the Transformer
 _PREPARING = threading.Lock()  # one preparation at a time (engines built on several threads)
 
@@ -71,7 +72,8 @@ class Preparation:
     """Which swaps `prepare_model` runs (the fields mirror `EngineConfig`'s)."""
 
     fuse_qkv: bool = True  # Llama: one q/k/v projection, bit-identical
-    quantize: str | None = None  # None or "int8": weight-only int8 projections and LM head
+    # None, "int8" or "int4": weight-only projections and LM head (workers/engine/swaps.py)
+    quantize: str | None = None
     pack_weights: bool = True  # CPU float32: projections through the probed fastest GEMM
     # CPU float32: an int8 screen of the LM head for greedy rows (the model is unchanged)
     screen_lm_head: bool = True
@@ -81,7 +83,7 @@ class Preparation:
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {self.quantize!r} (supported: int8)")
+            raise ValueError(f"unknown quantization {self.quantize!r} (supported: int8, int4)")
 
     def differences(self, asked: Preparation) -> list[str]:
         """`field: prepared X, asked Y` for each model-changing swap on which `asked` differs."""
@@ -130,6 +132,7 @@ class PreparedModel:
     preparation: Preparation  # screen_lm_head: whether any engine asked for the screen so far
     fused_attentions: int  # attention layers given one q/k/v projection
     int8_linears: int  # WeightOnlyInt8Linear modules
+    int4_linears: int  # WeightOnlyInt4Linear modules
     packed_linears: int  # projections `pack_linears` swapped for pre-packed ones
     lm_screen: Int8Screen | None  # None unless asked for and the head is float32 on the CPU
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -216,6 +219,7 @@ def prepare_model(loaded: LoadedModel, preparation: Preparation | None = None) -
             preparation=asked,
             fused_attentions=fused,
             int8_linears=sum(isinstance(m, WeightOnlyInt8Linear) for m in model.modules()),
+            int4_linears=sum(isinstance(m, WeightOnlyInt4Linear) for m in model.modules()),
             packed_linears=packed,
             lm_screen=screen,
         )
