@@ -1,6 +1,6 @@
 """Faithfulness checks of one translation, and the per-pair length cap: pure functions.
 
-Small models translate by continuing a prompt, and they fail in three ways seen in real chat
+Small models translate by continuing a prompt, and they fail in ways seen in real chat
 turns (issue #18): they copy a few-shot example's target instead of translating ("Thanks" ->
 "Vielen Dank für Ihre Geduld. Ihr Ersatzgerät wird morgen verschickt."), they wrap a short
 source in invented text (three times its length), and they loop ("... und und und ...") until
@@ -24,6 +24,9 @@ a cap stops them. Each has a detector here, and `check` runs them all:
 - `ngram_loop`: a word n-gram (n = 1..6) repeated back to back at least 3 times covering at
   least 6 words, or a 3+-word n-gram occurring 3+ times anywhere, when the source does not
   repeat it as often itself.
+- `invented_numbers` (issue #28, `workers/stages/faithful/numbers.py`): numbers in digits in
+  the translation that no number of the source supports ("we can offer compensation" -> "eine
+  120€-Entschädigung"), after normalising separators, clock times and number words.
 
 `LengthCaps` is the length guard: per language pair, a cap of `ceil(slope * source tokens +
 intercept)` output tokens fitted on the parallel data in `data/` so that it covers
@@ -46,6 +49,8 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
+
+from workers.stages.faithful.numbers import invented_numbers
 
 __all__ = [
     "COVERAGE",
@@ -184,6 +189,7 @@ class Check:
     ratio_outlier: bool = False
     ngram_loop: bool = False
     length_guard: bool = False  # generation stopped at the length cap
+    invented_numbers: tuple[str, ...] = ()  # digits the source does not hold (numbers.py)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -197,6 +203,8 @@ class Check:
             names.append("loop")
         if self.length_guard:
             names.append("length_guard")
+        if self.invented_numbers:
+            names.append("number")
         return tuple(names)
 
     @property
@@ -218,6 +226,7 @@ def check(
         ratio_outlier=ratio_outlier(source, translation),
         ngram_loop=ngram_loop(source, translation),
         length_guard=length_guard,
+        invented_numbers=invented_numbers(source, translation),
     )
 
 

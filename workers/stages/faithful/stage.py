@@ -8,9 +8,10 @@ Flow of one request:
    runs with
    `max_new_tokens` = the tighter of that cap and the language's own.
 2. The answer is checked (`workers.stages.faithful.rules.check`): a copied few-shot example, a
-length ratio
-   outside [0.3, 3], an n-gram loop, or a stop at the guard's cap (the guard was tighter than
-   `max_new_tokens` and generation reached it). Nothing found: the answer goes out unchanged.
+   length ratio outside [0.3, 3], an n-gram loop, a stop at the guard's cap (the guard was
+   tighter than `max_new_tokens` and generation reached it), or a number the source does not
+   hold (`numbers.py`: an amount, a time or a count a customer would take as a promise).
+   Nothing found: the answer goes out unchanged.
 3. Something found: the text is translated once more under `<id>~faithful`, same deadline and
    cap, with the template's retry form (`prompts.json` `retry_form`, `short_mix8` for both
    templates: for Gemma 3 another example set, so not the same example to copy; for SmolLM2
@@ -88,7 +89,7 @@ POLICIES = ("withhold", "flag")  # what happens to an answer still suspect after
 CANDIDATE_KEY = meta.FAITHFUL_CANDIDATE
 RETRY_SUFFIX = "~faithful"  # inner request id of the retry
 DEFAULT_MAX_NEW_TOKENS = 256  # the engine's default cap when a request names none
-_SEVERITY = {"leak": 4, "loop": 2, "length_guard": 2, "ratio": 1}
+_SEVERITY = {"leak": 4, "number": 3, "loop": 2, "length_guard": 2, "ratio": 1}
 
 
 class _FaithfulMetrics(Protocol):

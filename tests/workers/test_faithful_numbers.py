@@ -1,0 +1,85 @@
+"""workers.stages.faithful.numbers: invented numbers found, faithful reformatting let through."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.stages.faithful.numbers import invented_numbers, number_values
+from workers.stages.faithful.rules import check
+
+# what issue #28 saw Gemma 3 270M send to customers, and made-up ones of the same kind
+INVENTED = [
+    ("we would offer to send you a free replacement",
+     "wir würden Ihnen einen kostenlosen Ersatz von 100 Euro anbieten", ("100",)),
+    ("we can offer compensation", "wir können eine 120€-Entschädigung anbieten", ("120",)),
+    ("I have 3 kids", "J'ai 4 enfants", ("4",)),
+    ("The parcel arrives tomorrow.", "Das Paket kommt morgen um 10:30 Uhr.", ("10:30",)),
+    ("3 items", "15 Artikel", ("15",)),  # 3 is no clock hour here: 15 is not 3 pm
+    ("Your refund is on its way.", "Ihre Rückerstattung von 49,99 € ist unterwegs.", ("49,99",)),
+    ("Order A-12345 has shipped", "Bestellung A-12346 wurde verschickt", ("12346",)),
+]  # fmt: skip
+
+FAITHFUL = [
+    ("It costs €15.", "Es kostet 15,00 €."),
+    ("The total is EUR 1,000.50", "Die Summe beträgt 1.000,50 EUR"),
+    ("We have 1 000 units", "Wir haben 1000 Stück"),
+    ("3.5 stars", "3,5 Sterne"),
+    ("See you at 7:10pm", "Bis um 19:10 Uhr"),
+    ("See you at 7:10pm", "Bis um 19.10 Uhr"),
+    ("See you at 7pm", "Bis 19 Uhr"),
+    ("See you at seven p.m.", "Bis 19:00 Uhr"),
+    ("um 19 Uhr", "at 7 pm"),
+    ("Your order of 05/12/2024", "Ihre Bestellung vom 12.05.2024"),
+    ("fifteen minutes", "15 Minuten"),
+    ("Es sind fünfundzwanzig Euro", "It is 25 euros"),
+    ("Het kost vijfentwintig euro", "It costs 25 euros"),
+    ("twenty-five euros", "25 euros"),
+    ("It takes an hour", "Es dauert 1 Stunde"),
+    ("the first time", "das 1. Mal"),
+    ("a dozen eggs", "12 Eier"),
+    ("Call +49 30 1234567", "Rufen Sie +49 30 1234567 an"),
+    ("Hi <x1>, your order <x2> is late", "Hallo <x1>, Ihre Bestellung <x2> ist verspätet"),
+    ("No numbers here.", "Hier keine Zahlen."),
+    ("Quinze euros, s'il vous plaît", "15 euros, please"),
+]
+
+
+@pytest.mark.parametrize("source,translation,found", INVENTED)
+def test_invented_numbers_are_found(source: str, translation: str, found: tuple[str, ...]) -> None:
+    assert invented_numbers(source, translation) == found
+
+
+@pytest.mark.parametrize("source,translation", FAITHFUL)
+def test_numbers_carried_over_in_another_form_are_not(source: str, translation: str) -> None:
+    assert invented_numbers(source, translation) == ()
+
+
+def test_number_values_read_separators_both_ways() -> None:
+    assert {1000.0, 1.0} <= number_values("1.000")  # German thousands, or English decimal
+    assert 1000.5 in number_values("1.000,50") and 1000.5 in number_values("1,000.50")
+    assert 15.0 in number_values("15,00 €")  # zero cents
+    assert 3.0 in number_values("drei") and 21.0 in number_values("einundzwanzig")
+    assert 15.0 not in number_values("3 items")  # only clock hours get the other 12
+
+
+def test_check_reports_an_invented_number_as_a_problem() -> None:
+    found = check("we can offer compensation", "wir können eine 120€-Entschädigung anbieten",
+                  [], "de")  # fmt: skip
+    assert found.suspect and found.problems == ("number",)
+    assert found.invented_numbers == ("120",)
+    assert not check("It costs €15.", "Es kostet 15,00 €.", [], "de").suspect
+
+
+def test_the_hand_judged_sample_is_still_flagged_and_precise() -> None:
+    # data/judged/invented_numbers.jsonl: every output the check flagged on real answers of
+    # both models, each judged by hand; a change of the check must keep flagging them, and the
+    # judged precision must stay >= 0.8 (issue #28, Done-when 2)
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data" / "judged" / "invented_numbers.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(records) >= 20
+    assert all(invented_numbers(r["source"], r["output"]) for r in records)
+    invented = sum(r["judgement"] == "invented" for r in records)
+    assert invented / len(records) >= 0.8

@@ -1,0 +1,186 @@
+"""Invented numbers: figures in a translation that its source does not hold. A pure function.
+
+A small model asked to translate a customer-service turn sometimes adds an amount ("we can offer
+compensation" -> "... eine 120€-Gutschrift"), a time or a count that nobody said (issue #28).
+`invented_numbers(source, translation)` returns the numbers written in digits in the translation
+that no number of the source supports, after normalising the forms a faithful translation may
+change:
+
+- separators: "1,000" / "1.000" / "1 000" and "3.5" / "3,5" are read both ways (thousands and
+  decimal), so "EUR 1,000.50" supports "1.000,50 EUR"; zero cents drop ("15,00 €" = "€15");
+- times: "7:10pm" supports "19:10" and "7.10"; an hour followed by a clock word ("7pm", "seven
+  o'clock", "19 Uhr") also supports the same hour on the other 12-hour clock and as h:00 (a
+  plain "3 items" does not support "15");
+- number words of the source, in the languages the worker serves (en, de, fr, es, it, pt, nl):
+  "fifteen" / "fünfzehn" / "quinze" support 15, "first" supports 1 ("1." in German), "a
+  dozen" 12, "half" 0.5; tens and units written as one word or with a hyphen ("twenty-five",
+  "fünfundzwanzig", "vijfentwintig") too;
+- a token whose every part is a number of the source is supported (a date written with other
+  separators, "05/12/2024" -> "12.05.2024"); digit runs inside identifiers ("A-12345") are
+  numbers like any other.
+
+Only digits in the *translation* are checked: a number written as a word there ("ein", "one")
+is too often an article or a pronoun to call invented. The result is the offending tokens as
+written, in order; empty when every number is supported. No model, no Kafka: the faithfulness
+stage (`workers/stages/faithful/rules.py`, `check`) and the benchmarks share it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+__all__ = ["invented_numbers", "number_values"]
+
+# a run of digits with inner separators: 15, 15,00, 1.000, 1 000, 7:10, 3.5
+_NUMBER = re.compile(r"\d+(?:(?:[.,:]|(?<=\d) (?=\d{3}\b))\d+)*")
+_WORD = re.compile(r"[^\W\d_]+(?:-[^\W\d_]+)?", re.UNICODE)
+# an hour with a clock word after it: "7pm", "7 p.m.", "seven o'clock", "19 Uhr", "19h"
+_HOUR = re.compile(
+    r"\b(\d{1,2}|[^\W\d_]+)\s*(?:a\.?m\b\.?|p\.?m\b\.?|o'clock|uhr|h\b|heures?|horas?|ore|uur)",
+    re.IGNORECASE,
+)
+_UNIT_AND_TENS = re.compile(r"(\w+?)(?:und|en|ën)(\w+ig|\w+tig)")
+
+# 0-20, tens, 100, 1000, ordinals to 10, a few collectives, and the articles that mean one
+# ("an hour" -> "1 Stunde"), per language (lower case)
+_WORDS: dict[str, float] = {}
+_TABLES = {
+    "en": ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+           "fourteen fifteen sixteen seventeen eighteen nineteen twenty",
+           "thirty forty fifty sixty seventy eighty ninety",
+           "first second third fourth fifth sixth seventh eighth ninth tenth",
+           {"hundred": 100, "thousand": 1000, "dozen": 12, "half": 0.5, "once": 1,
+            "twice": 2, "million": 1e6, "a": 1, "an": 1}),
+    "de": ("null eins zwei drei vier fünf sechs sieben acht neun zehn elf zwölf dreizehn "
+           "vierzehn fünfzehn sechzehn siebzehn achtzehn neunzehn zwanzig",
+           "dreißig vierzig fünfzig sechzig siebzig achtzig neunzig",
+           "erste zweite dritte vierte fünfte sechste siebte achte neunte zehnte",
+           {"hundert": 100, "tausend": 1000, "dutzend": 12, "halb": 0.5, "halbe": 0.5,
+            "einmal": 1, "zweimal": 2, "million": 1e6, "ein": 1, "eine": 1, "einen": 1}),
+    "fr": ("zéro un deux trois quatre cinq six sept huit neuf dix onze douze treize quatorze "
+           "quinze seize dix-sept dix-huit dix-neuf vingt",
+           "trente quarante cinquante soixante soixante-dix quatre-vingt quatre-vingt-dix",
+           "premier deuxième troisième quatrième cinquième sixième septième huitième "
+           "neuvième dixième",
+           {"cent": 100, "mille": 1000, "douzaine": 12, "demi": 0.5, "demie": 0.5,
+            "une": 1, "million": 1e6, "première": 1}),
+    "es": ("cero uno dos tres cuatro cinco seis siete ocho nueve diez once doce trece "
+           "catorce quince dieciséis diecisiete dieciocho diecinueve veinte",
+           "treinta cuarenta cincuenta sesenta setenta ochenta noventa",
+           "primero segundo tercero cuarto quinto sexto séptimo octavo noveno décimo",
+           {"cien": 100, "ciento": 100, "mil": 1000, "docena": 12, "medio": 0.5,
+            "media": 0.5, "un": 1, "una": 1, "primer": 1, "primera": 1, "millón": 1e6}),
+    "it": ("zero uno due tre quattro cinque sei sette otto nove dieci undici dodici tredici "
+           "quattordici quindici sedici diciassette diciotto diciannove venti",
+           "trenta quaranta cinquanta sessanta settanta ottanta novanta",
+           "primo secondo terzo quarto quinto sesto settimo ottavo nono decimo",
+           {"cento": 100, "mille": 1000, "dozzina": 12, "mezzo": 0.5, "mezza": 0.5,
+            "un": 1, "una": 1, "prima": 1, "milione": 1e6}),
+    "pt": ("zero um dois três quatro cinco seis sete oito nove dez onze doze treze catorze "
+           "quinze dezesseis dezessete dezoito dezenove vinte",
+           "trinta quarenta cinquenta sessenta setenta oitenta noventa",
+           "primeiro segundo terceiro quarto quinto sexto sétimo oitavo nono décimo",
+           {"cem": 100, "cento": 100, "mil": 1000, "dúzia": 12, "meio": 0.5, "meia": 0.5,
+            "uma": 1, "duas": 2, "primeira": 1, "milhão": 1e6}),
+    "nl": ("nul een twee drie vier vijf zes zeven acht negen tien elf twaalf dertien "
+           "veertien vijftien zestien zeventien achttien negentien twintig",
+           "dertig veertig vijftig zestig zeventig tachtig negentig",
+           "eerste tweede derde vierde vijfde zesde zevende achtste negende tiende",
+           {"honderd": 100, "duizend": 1000, "dozijn": 12, "half": 0.5, "halve": 0.5,
+            "één": 1, "miljoen": 1e6}),
+}  # fmt: skip
+for _units, _tens, _ordinals, _extra in _TABLES.values():
+    for _i, _w in enumerate(_units.split()):
+        _WORDS.setdefault(_w, _i)
+    for _i, _w in enumerate(_tens.split()):
+        _WORDS.setdefault(_w, 30 + 10 * _i)
+    for _i, _w in enumerate(_ordinals.split()):
+        _WORDS.setdefault(_w, _i + 1)
+    for _w, _v in _extra.items():
+        _WORDS.setdefault(_w, _v)
+# French: "quatre-vingt" and its kin are 80 / 90 (the loop above counted them as tens in order)
+_WORDS.update({"soixante-dix": 70, "quatre-vingt": 80, "quatre-vingt-dix": 90})
+
+
+def _token_values(token: str) -> set[float]:
+    """Every value a numeric token may mean (see the module docstring)."""
+    if ":" in token:  # a time h:mm (also 12 h <-> 24 h)
+        parts = token.split(":")
+        if len(parts) == 2 and parts[0] and parts[1]:
+            h, m = int(parts[0]), int(parts[1])
+            return {_minutes(h, m), _minutes(h + 12, m), _minutes(h - 12, m)}
+        return {float(int(p)) for p in parts if p}
+    groups = re.split(r"[., ]", token)
+    if len(groups) == 1:
+        return {float(int(token))}
+    values: set[float] = set()
+    if all(len(g) == 3 for g in groups[1:]):  # thousands separators
+        values.add(float(int("".join(groups))))
+    if len(groups) == 2:  # one separator as the decimal point
+        head, tail = groups
+        values.add(float(f"{int(head)}.{tail}"))
+        values.add(_minutes(int(head), int(tail)) if len(tail) == 2 else -1.0)  # "7.10" a time
+    if len(groups) == 3 and len(groups[2]) != 3:  # "1.000,50": thousands, then decimals
+        values.add(float(f"{int(groups[0] + groups[1])}.{groups[2]}"))
+    values.discard(-1.0)
+    return values
+
+
+def _minutes(h: int, m: int) -> float:
+    """A clock time as a value that no plain number takes (negative, minutes of the day)."""
+    return -(1.0 + (h % 24) * 60 + m)
+
+
+@cache
+def _word_value(word: str) -> float | None:
+    w = word.casefold()
+    if w in _WORDS:
+        return float(_WORDS[w])
+    if "-" in w:  # English "twenty-five", French "vingt-deux"
+        head, _, tail = w.partition("-")
+        if head in _WORDS and tail in _WORDS and _WORDS[head] >= 20 and _WORDS[tail] < 10:
+            return float(_WORDS[head] + _WORDS[tail])
+    # German "fünfundzwanzig", "einundzwanzig"; Dutch "vijfentwintig", "tweeëntwintig"
+    compound = _UNIT_AND_TENS.fullmatch(w)
+    if compound is not None:
+        unit = _WORDS.get(compound[1], _WORDS.get(compound[1] + "s"))  # "ein" -> "eins"
+        tens = _WORDS.get(compound[2])
+        if unit is not None and tens is not None and 1 <= unit <= 9 and tens in range(20, 100, 10):
+            return float(unit + tens)
+    return None
+
+
+def number_values(text: str) -> set[float]:
+    """Every value the numbers of `text` (digits and number words) may stand for."""
+    values: set[float] = set()
+    for token in _NUMBER.findall(text):
+        values |= _token_values(token)
+    for word in _WORD.findall(text):
+        value = _word_value(word)
+        if value is not None:
+            values.add(value)
+    for match in _HOUR.finditer(text):  # "7pm" supports "19 Uhr" and "19:00"
+        raw = match[1]
+        hour = float(int(raw)) if raw.isdigit() else _word_value(raw)
+        if hour is not None and 1 <= hour <= 23 and hour == int(hour):
+            values |= {hour + 12 if hour <= 12 else hour - 12, _minutes(int(hour), 0)}
+    return values
+
+
+def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
+    """The translation's numbers in digits that no number of the source supports."""
+    tokens = _NUMBER.findall(translation)
+    if not tokens:
+        return ()
+    support = number_values(source)
+    return tuple(t for t in tokens if not _supported(t, support))
+
+
+def _supported(token: str, support: set[float]) -> bool:
+    if _token_values(token) & support:
+        return True
+    # a date or a code written with other separators ("05/12/2024" -> "12.05.2024"): every
+    # part is a number of the source
+    parts = [p for p in re.split(r"[.,: ]", token) if p]
+    return len(parts) > 1 and all(float(int(p)) in support for p in parts)
