@@ -28,7 +28,7 @@ stage (`workers/stages/faithful/rules.py`, `check`) and the benchmarks share it.
 from __future__ import annotations
 
 import re
-from functools import cache
+from functools import lru_cache
 
 __all__ = ["invented_numbers", "number_values"]
 
@@ -132,7 +132,7 @@ def _minutes(h: int, m: int) -> float:
     return -(1.0 + (h % 24) * 60 + m)
 
 
-@cache
+@lru_cache(maxsize=8192)  # bounded: a long-running worker sees every word of its traffic
 def _word_value(word: str) -> float | None:
     w = word.casefold()
     if w in _WORDS:
