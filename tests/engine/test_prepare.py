@@ -148,8 +148,8 @@ def test_unknown_quantization_is_refused_before_any_swap(
 ) -> None:
     _, loaded = tiny_models(tiny_config("llama", vocab_size=VOCAB))
     before = _module_types(loaded.model)
-    with pytest.raises(ValueError, match="int4"):
-        Engine(loaded, dataclasses.replace(CONFIG, quantize="int4"))
+    with pytest.raises(ValueError, match="int3"):
+        Engine(loaded, dataclasses.replace(CONFIG, quantize="int3"))
     assert _module_types(loaded.model) == before
 
 

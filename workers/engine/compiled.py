@@ -52,6 +52,28 @@ MAX_GRAPHS = 64  # compiled decode graphs one process may hold (see CompiledDeco
 _BACKGROUND: set[threading.Thread] = set()  # warm-ups under way in this process
 
 
+def pin_fake_cuda_guard() -> bool:
+    """Make the main thread own torch's stand-in CUDA device guard, before any tracing.
+
+    torch's CUDA builds on a machine without a GPU: every `FakeTensorMode` entry (dynamo traces
+    under it) calls `ensureCUDADeviceGuardSet`, which stores a guard held in a *thread-local*
+    into the *process-wide* registry, unless the registered one reports devices. When the
+    thread that stored it exits (our background compile thread, `tolk-compile`), the registry
+    points at freed memory, and the next trace on any other thread calls into it: SIGSEGV in
+    `FakeTensorMode.__enter__` (seen in CI twice, `tests/engine/test_prepare.py`; a worker that
+    compiled in the background and recompiled later on its engine thread would die the same
+    way). Called on the main thread first, the guard stored is the main thread's, which lives
+    as long as the process, and later calls on other threads leave it in place. Returns
+    whether it ran (main thread only; a no-op on machines with a GPU or CPU-only builds)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    torch._C._ensureCUDADeviceGuardSet()
+    return True
+
+
+pin_fake_cuda_guard()  # at import, normally on the main thread (before any compile thread)
+
+
 def background_compile_running() -> bool:
     """Whether a `warm_up_in_background` compilation is still under way in this process.
 
@@ -74,6 +96,7 @@ class CompiledDecode:
             for group in model.config.kv_groups
         }
         on_cpu = model.embed.weight.device.type == "cpu"
+        pin_fake_cuda_guard()  # again, if this module was first imported off the main thread
         if on_cpu:
             cpu_ops.load()  # tolk::decode_attention (and int8_linear), before any tracing
         # CPU: inductor's C++ wrapper calls the kernels without a Python frame per op (its
