@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
+import pytest
 import torch
 
 from workers.engine.threads import release_openmp_pool, use_threads
@@ -16,6 +21,43 @@ def test_release_frees_the_pool_and_torch_still_computes() -> None:
     assert release_openmp_pool() is True  # torch's Linux wheels bundle libgomp
     torch.testing.assert_close(a @ b, expected)  # the pool comes back on the next op
     assert release_openmp_pool() is True
+
+
+# A child process: which libgomps are loaded, and which pools exist, depends on what the test
+# process imported before. scikit-learn (sentence-transformers imports it; so does the worker)
+# vendors a second libgomp; it is loaded first here, as in the worker.
+_POOL_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    try:
+        import sklearn.cluster  # noqa: F401  (loads scikit-learn's own libgomp)
+    except ImportError:
+        pass
+    import torch
+    from workers.engine.threads import _libgomps, release_openmp_pool
+
+    torch.set_num_threads(2)
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+    x = torch.randn(2_000_000)
+    x.sum()  # a parallel region: torch's pool gets its worker thread
+    with_pool = threads()
+    assert release_openmp_pool() is True
+    print(len(_libgomps()), with_pool, threads())
+    """
+)
+
+
+def test_release_frees_torchs_pool_even_beside_another_libgomp() -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: torch makes no pool")
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    libs, with_pool, after = map(int, done.stdout.split())
+    assert libs >= 1
+    assert after == with_pool - 1  # torch's pool worker is gone (it was not, with two libgomps)
 
 
 def test_use_threads_sets_the_calling_threads_count_only() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from functools import cache
 
@@ -34,37 +35,48 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep the runtime 
 
 
 @cache
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's bundled copy), or None."""
+def _libgomps() -> tuple[ctypes.CDLL, ...]:
+    """Every libgomp this process has loaded, torch's bundled copy first.
+
+    There may be more than one: scikit-learn's wheel vendors its own (`scikit_learn.libs/
+    libgomp-<hash>.so`), loaded in the worker by the libraries that import it. Each keeps its
+    own pools; torch's kernels use torch's. (Taking the first path in sorted order once picked
+    scikit-learn's, so the worker's start-up pool was never released and its decode steps ran
+    at half speed behind libgomp's throttled barriers: issue #25, docs/BENCHMARKS.md.)"""
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
-        return None
-    for path in sorted(paths):
+        return ()
+    libs = []
+    for path in sorted(paths, key=lambda p: (not os.path.realpath(p).startswith(torch_dir), p)):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
             lib.omp_pause_resource_all.restype = ctypes.c_int
-            return lib
         except (OSError, AttributeError):
             continue
-    return None
+        libs.append(lib)
+    return tuple(libs)
 
 
 def release_openmp_pool() -> bool:
-    """Free the calling thread's OpenMP worker threads (recreated on its next parallel op).
+    """Free the calling thread's OpenMP worker threads (recreated on its next parallel op), in
+    every libgomp loaded (torch's and any other library's).
 
-    Returns True when a libgomp pool was released. Call it on a thread that has finished its
-    torch work before another thread (the engine loop) takes over.
+    Returns True when torch's libgomp (the first) released its pool. Call it on a thread that
+    has finished its torch work before another thread (the engine loop) takes over.
     """
-    lib = _libgomp()
-    if lib is None:
+    libs = _libgomps()
+    if not libs:
         return False
-    rc = lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
-    if rc != 0:  # inside a parallel region: not ours to free
-        log.debug("omp_pause_resource_all on %s returned %d", threading.current_thread().name, rc)
-    return rc == 0
+    codes = [lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) for lib in libs]
+    if codes[0] != 0:  # inside a parallel region: not ours to free
+        log.debug(
+            "omp_pause_resource_all on %s returned %d", threading.current_thread().name, codes[0]
+        )
+    return codes[0] == 0
 
 
 def use_threads(n: int) -> None:
