@@ -305,7 +305,23 @@ class WorkerMetrics(StageMetrics):
         self.engine_steps = Counter(
             "engine_steps_total", "Model steps run by the engine.", namespace=ns, registry=registry
         )
-        self._engine_seen: dict[str, int] = {}
+        # by kind ("decode" steps run the compiled graph where it is on; "mixed" and "prefill"
+        # run eagerly): seconds / steps per kind is the mean step time a request decodes at
+        self.engine_kind_steps = Counter(
+            "engine_kind_steps_total",
+            "Model steps run by the engine, by kind (decode, mixed, prefill).",
+            ["kind"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_step_seconds = Counter(
+            "engine_step_seconds_total",
+            "Seconds spent in model steps, by kind (decode, mixed, prefill).",
+            ["kind"],
+            namespace=ns,
+            registry=registry,
+        )
+        self._engine_seen: dict[str, float] = {}
 
         # -- backlog per language, read from the broker (workers/kafka/drain.py, every few
         # seconds) --
@@ -396,3 +412,11 @@ class WorkerMetrics(StageMetrics):
             last = self._engine_seen.get(name, 0)
             counter.inc(value - last if value >= last else value)
             self._engine_seen[name] = value
+        for kind, (steps, seconds) in getattr(snapshot, "steps_by_kind", {}).items():
+            for key, metric, total in (
+                (f"steps:{kind}", self.engine_kind_steps, float(steps)),
+                (f"seconds:{kind}", self.engine_step_seconds, float(seconds)),
+            ):
+                last = self._engine_seen.get(key, 0.0)
+                metric.labels(kind=kind).inc(total - last if total >= last else total)
+                self._engine_seen[key] = total

@@ -42,6 +42,10 @@ def test_compiled_decode_matches_transformers(arch: str, tiny_config: Any, tiny_
         [GenerationRequest(f"r{i}", p, params) for i, p in enumerate(prompts[1:])]
     )
     assert engine.stats.compiled_steps >= 2 * 19  # every decode step of both runs
+    kinds = engine.stats.steps_by_kind  # the prefills ran eagerly, as steps of their own kind
+    assert kinds["decode"] == engine.stats.compiled_steps and kinds["prefill"] >= 2
+    assert sum(kinds.values()) == engine.stats.steps
+    assert engine.stats.seconds_by_kind["decode"] > 0
     with torch.inference_mode():
         for prompt, result in zip(prompts, first + together, strict=True):
             x = torch.tensor([prompt])

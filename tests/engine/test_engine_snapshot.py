@@ -122,3 +122,23 @@ def test_worker_metrics_turn_cumulative_snapshots_into_counters() -> None:
     assert value("tolk_engine_prefix_cache_queries_tokens_total") == 170
     assert value("tolk_engine_prefix_cache_hits_tokens_total") == 95
     assert value("tolk_engine_steps_total") == 28
+
+
+def test_steps_by_kind_reach_the_metrics_as_counters() -> None:
+    engine = _engine()
+    engine.stats.steps_by_kind.update(decode=8, mixed=2)
+    engine.stats.seconds_by_kind.update(decode=0.2, mixed=0.15)
+    snap = snapshot_engine(engine)
+    assert snap.steps_by_kind == {"decode": (8, 0.2), "mixed": (2, 0.15)}
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    metrics.update_engine(snap)
+    metrics.update_engine(_snap(steps_by_kind={"decode": (10, 0.25), "mixed": (2, 0.15)}))
+
+    def value(name: str, kind: str) -> float | None:
+        return registry.get_sample_value(name, {"kind": kind})
+
+    assert value("tolk_engine_kind_steps_total", "decode") == 10
+    assert value("tolk_engine_step_seconds_total", "decode") == pytest.approx(0.25)
+    assert value("tolk_engine_step_seconds_total", "mixed") == pytest.approx(0.15)
+    assert value("tolk_engine_kind_steps_total", "prefill") is None  # no such step yet

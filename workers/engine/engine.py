@@ -63,7 +63,7 @@ from workers.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from workers.engine.step_results import StepResults, step_record
+from workers.engine.step_results import StepResults, step_kind, step_record
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
     GenerationRequest,
@@ -367,8 +367,12 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         if out.chunks:
             t0 = time.perf_counter()
             sampled = self._run_model(out)
-            self.stats.step_seconds += time.perf_counter() - t0
-            self.stats.steps += 1
+            seconds = time.perf_counter() - t0
+            stats, kind = self.stats, step_kind(out)
+            stats.step_seconds += seconds
+            stats.steps += 1
+            stats.steps_by_kind[kind] = stats.steps_by_kind.get(kind, 0) + 1
+            stats.seconds_by_kind[kind] = stats.seconds_by_kind.get(kind, 0.0) + seconds
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
         results = [self._finish(seq) for seq in finished]

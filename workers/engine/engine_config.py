@@ -84,3 +84,8 @@ class EngineStats:
     graph_steps: int = 0  # decode steps replayed as a CUDA graph (cuda_graphs)
     screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
+    # model steps and their seconds by kind ("decode", "mixed", "prefill": step_results.py's
+    # `step_kind`): where a request's time goes under load (a decode-only step runs compiled,
+    # the other kinds eagerly)
+    steps_by_kind: dict[str, int] = field(default_factory=dict)
+    seconds_by_kind: dict[str, float] = field(default_factory=dict)

@@ -16,7 +16,8 @@ was built; the metrics container turns them into Prometheus counters by their in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.engine.engine_config import EngineStats
@@ -40,6 +41,8 @@ class EngineSnapshot:
     decode_tokens: int  # tokens sampled
     running: int  # sequences in the running batch
     waiting: int  # requests waiting for admission (the queue plus preempted ones)
+    # kind ("decode", "mixed", "prefill") -> (model steps, seconds in them), cumulative
+    steps_by_kind: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -85,4 +88,8 @@ def snapshot_engine(engine: CountingEngine) -> EngineSnapshot:
         decode_tokens=stats.decode_tokens,
         running=len(sched.running),
         waiting=sched.num_waiting,
+        steps_by_kind={
+            kind: (n, stats.seconds_by_kind.get(kind, 0.0))
+            for kind, n in list(stats.steps_by_kind.items())  # a copy: the engine thread adds
+        },
     )

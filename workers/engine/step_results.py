@@ -38,7 +38,7 @@ from workers.engine.types import (
     Timings,
 )
 
-__all__ = ["StepResults", "step_record"]
+__all__ = ["StepResults", "step_kind", "step_record"]
 
 
 class StepResults:
@@ -130,8 +130,13 @@ class StepResults:
             self._finish(seq)
 
 
-def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
+def step_kind(out: SchedulerOutput) -> str:
+    """ "decode" (every scheduled sequence samples its next token), "prefill" (none decodes)
+    or "mixed"."""
     decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1)
-    kind = "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
+    return "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
+
+
+def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
     tokens = sum(c.num_tokens for c in out.chunks)
-    return StepRecord(kind, len(out.chunks), tokens, seconds)
+    return StepRecord(step_kind(out), len(out.chunks), tokens, seconds)
