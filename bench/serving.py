@@ -107,7 +107,13 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
                  langs: Sequence[str]) -> tuple[Driver, JSON]:  # fmt: skip
     """Start `system` (stopped when `stack` closes); returns its driver and start-up facts."""
     from bench import serving_llamaserver as llama
-    from bench.serving_kafka import drive_bridge, start_tolk_worker, stop_process, wait_compiled
+    from bench.serving_kafka import (
+        drive_bridge,
+        free_port,
+        start_tolk_worker,
+        stop_process,
+        wait_compiled,
+    )
     from workers.engine.loader import resolve_source
     from workers.loadtest.bridge import KafkaBridge
 
@@ -119,11 +125,14 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         from topics.catalog import catalog
 
         ensure_topics(args.bootstrap, catalog(langs, prefix=prefix))
+        port = free_port()
         proc, start_s = start_tolk_worker(
             bootstrap=args.bootstrap, redis_url=args.redis_url, prefix=prefix, languages=langs,
             model=args.model, max_new_tokens=args.max_new_tokens,
             worker_args=shlex.split(args.worker_args), log_path=logs / f"{prefix}worker.log",
+            metrics_port=port,
         )  # fmt: skip
+        info["metrics_url"] = f"http://127.0.0.1:{port}/metrics"
         stack.callback(stop_process, proc)
         info["start_to_assigned_s"] = round(start_s, 1)
         compiled_s = wait_compiled(proc, logs / f"{prefix}worker.log")
@@ -179,6 +188,7 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
 
 
 def run(args: argparse.Namespace) -> JSON:
+    from bench.serving_kafka import scrape_step_kinds, step_kinds_between
     from workers.loadtest.texts import support_mix
 
     points = load_points(args)
@@ -211,11 +221,17 @@ def run(args: argparse.Namespace) -> JSON:
                     reqs = build_requests(p["rates"], args.duration, args.arrivals,
                                           seed * 1000 + pi, texts)  # fmt: skip
                     load = [round(x, 2) for x in os.getloadavg()]
+                    metrics_url = info.get("metrics_url")
+                    steps_before = scrape_step_kinds(metrics_url) if metrics_url else {}
                     outcomes, window = drive(reqs)
                     row = {"system": system, "repeat": rep, "point": p["point"],
                            "total_rate": p["total_rate"], "rates": p["rates"],
                            "window_s": round(window, 2), "loadavg_at_start": load,
                            "languages": figures(outcomes, p["rates"], args, window)}  # fmt: skip
+                    if metrics_url:  # the worker's model steps in the point, by kind
+                        row["engine_steps"] = step_kinds_between(
+                            steps_before, scrape_step_kinds(metrics_url)
+                        )
                     runs.append(row)
                     print(f"[serving] {summary_line(row)}", file=sys.stderr, flush=True)
     return report(args, points, runs, starts, logs)

@@ -17,16 +17,26 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bench.serving_stats import Outcome
+from bench.serving_stats import Outcome, stage_split
 from workers.loadtest.bridge import Completion, KafkaBridge
 
-__all__ = ["completion_outcome", "drive_bridge", "start_tolk_worker", "stop_process"]
+__all__ = [
+    "completion_outcome",
+    "drive_bridge",
+    "free_port",
+    "scrape_step_kinds",
+    "start_tolk_worker",
+    "step_kinds_between",
+    "stop_process",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,8 +67,10 @@ def start_tolk_worker(
     worker_args: Sequence[str],
     log_path: Path,
     timeout_s: float = 900.0,
+    metrics_port: int = 0,
 ) -> tuple[subprocess.Popen[bytes], float]:
-    """(process, seconds from process start to its partition assignment)."""
+    """(process, seconds from process start to its partition assignment); `metrics_port`: its
+    Prometheus endpoint (0: none)."""
     env = {
         **os.environ,
         "TOLK_BOOTSTRAP": bootstrap,
@@ -72,7 +84,8 @@ def start_tolk_worker(
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", model, "--metrics-port", "0"]
+    cmd = [sys.executable, "-m", "workers.cli", "worker", "--model", model]
+    cmd += ["--metrics-port", str(metrics_port)]
     cmd += list(worker_args)
     t0 = time.monotonic()
     with log_path.open("wb") as log:
@@ -111,6 +124,47 @@ def wait_compiled(
     raise RuntimeError(f"tolk worker's decode graphs not compiled within {timeout_s:.0f} s")
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for the worker's metrics endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_step_kinds(url: str) -> dict[str, tuple[float, float]]:
+    """The worker's model steps by kind from its /metrics: {kind: (steps, seconds)},
+    cumulative; {} when the endpoint does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            col = {"tolk_engine_kind_steps_total": 0, "tolk_engine_step_seconds_total": 1}.get(
+                sample.name
+            )
+            if col is not None:
+                out.setdefault(sample.labels["kind"], [0.0, 0.0])[col] = sample.value
+    return {kind: (v[0], v[1]) for kind, v in out.items()}
+
+
+def step_kinds_between(
+    before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """Steps of each kind run between two scrapes and their mean time (ms)."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, (steps, seconds) in after.items():
+        n = steps - before.get(kind, (0.0, 0.0))[0]
+        s = seconds - before.get(kind, (0.0, 0.0))[1]
+        if n > 0:
+            out[kind] = {"steps": int(n), "mean_ms": round(1e3 * s / n, 2)}
+    return out
+
+
 def stop_process(proc: subprocess.Popen[bytes] | None, wait_s: float = 60.0) -> None:
     """SIGTERM (a worker drains), then SIGKILL after `wait_s`."""
     if proc is None or proc.poll() is not None:
@@ -135,6 +189,7 @@ def completion_outcome(c: Completion) -> Outcome:
         ttft_s=ttft,
         tokens_out=c.tokens_out,
         send_lag_s=c.send_lag_s,
+        stages=stage_split(c.latency_s, c.worker_s) if status == "OK" else {},
     )
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serving_stats import Outcome
+from bench.serving_stats import Outcome, stage_split
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "bench" / "build_llama_server.sh"
@@ -310,7 +310,20 @@ async def _run_http(
                 reply = LlamaReply("ERROR", "", 0, 0, 0, 0.0, 0.0, "", str(exc))
             latency = time.monotonic() - scheduled
             ttft = latency - reply.predicted_ms / 1e3 if reply.status == "OK" else None
-            outcomes.append(Outcome(tgt, reply.status, latency, ttft, reply.tokens_out, lag))
+            # llama-server reports no queue time: its slot wait is part of `outside`
+            server_s = {"prefill": reply.prompt_ms / 1e3, "decode": reply.predicted_ms / 1e3}
+            stages = stage_split(latency, {**server_s, "total": sum(server_s.values())})
+            outcomes.append(
+                Outcome(
+                    tgt,
+                    reply.status,
+                    latency,
+                    ttft,
+                    reply.tokens_out,
+                    lag,
+                    stages if reply.status == "OK" else {},
+                )  # fmt: skip
+            )
 
         t0 = time.monotonic() + 0.05
         tasks = []

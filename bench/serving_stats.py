@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.loadtest.report import nearest_rank
@@ -40,6 +40,7 @@ __all__ = [
     "max_rate_within_slo",
     "parse_lang_values",
     "percentile",
+    "stage_split",
     "point_rates",
     "schedule",
 ]
@@ -61,10 +62,32 @@ class Outcome:
     ttft_s: float | None = None
     tokens_out: int = 0
     send_lag_s: float = 0.0
+    # Where an OK reply's time went, seconds (the system's own timings; see `stage_split`).
+    stages: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return self.status == "OK"
+
+
+STAGES = ("queue", "prefill", "decode", "finish", "outside")
+
+
+def stage_split(latency_s: float, worker_s: Mapping[str, float]) -> dict[str, float]:
+    """An OK reply's latency split by the server's timings (seconds: queue, prefill, decode,
+    total): `queue` from the request's timestamp to its admission, `prefill`, `decode`,
+    `finish` = the server's total - the three (checks and producing the reply), `outside` =
+    latency - the server's total (send lag, the request's and the reply's way through Kafka
+    or HTTP). Empty when the server gave no total."""
+    total = worker_s.get("total")
+    if total is None:
+        return {}
+    parts = {k: max(0.0, worker_s.get(k, 0.0)) for k in ("queue", "prefill", "decode")}
+    return {
+        **parts,
+        "finish": max(0.0, total - sum(parts.values())),
+        "outside": max(0.0, latency_s - total),
+    }
 
 
 # -- load points ----------------------------------------------------------------------------
@@ -180,6 +203,15 @@ def language_figures(
         round(sum(o.tokens_out for o in outcomes if o.ok) / len(ok), 2) if ok else None
     )
     out["send_lag_p99_s"] = _r(percentile([o.send_lag_s for o in outcomes], 99.0))
+    staged = [o.stages for o in outcomes if o.ok and o.stages]
+    if staged:
+        out["stages_s"] = {
+            stage: {
+                f"p{q:g}": _r(percentile([st.get(stage, 0.0) for st in staged], q))
+                for q in (50.0, 99.0)
+            }
+            for stage in STAGES
+        }
     return out
 
 

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from bench.serving import build_requests, load_points, parse_args
-from bench.serving_kafka import completion_outcome, missing_as_timeouts, tolk_policies
+from bench.serving_kafka import (
+    completion_outcome,
+    missing_as_timeouts,
+    step_kinds_between,
+    tolk_policies,
+)
 from bench.serving_llamaserver import PromptTexts, completion_body, parse_completion
 from bench.serving_report import max_rates, plot, ratios, summarize
 from bench.serving_stats import (
@@ -25,6 +30,7 @@ from bench.serving_stats import (
     percentile,
     point_rates,
     schedule,
+    stage_split,
 )
 from workers.loadtest.bridge import Completion
 from workers.loadtest.texts import LoadText
@@ -150,6 +156,36 @@ def test_completion_outcome_withheld_timeout_ttft() -> None:
     assert withheld.status == "WITHHELD" and withheld.ttft_s is None
     timeout = completion_outcome(_completion("TIMEOUT", 60.0))
     assert timeout.latency_s is None and not timeout.ok
+
+
+def test_stage_split_accounts_for_the_whole_latency() -> None:
+    worker = {"queue": 0.05, "prefill": 0.1, "decode": 0.3, "total": 0.5}
+    st = stage_split(0.62, worker)
+    assert st["finish"] == pytest.approx(0.05) and st["outside"] == pytest.approx(0.12)
+    assert sum(st.values()) == pytest.approx(0.62)
+    assert stage_split(0.62, {"decode": 0.3}) == {}  # no total: nothing to split
+    # clocks of two processes: a total above the latency gives no negative stage
+    assert stage_split(0.4, worker)["outside"] == 0.0
+
+
+def test_completion_outcome_carries_stages_and_figures_show_them() -> None:
+    worker_s = {"queue": 0.01, "prefill": 0.1, "decode": 0.4, "total": 0.55}
+    ok = completion_outcome(_completion("OK", 0.6, decode_s=0.4, worker_s=worker_s))
+    assert ok.stages["outside"] == pytest.approx(0.05)
+    assert completion_outcome(_completion("ERROR", 0.6, worker_s=worker_s)).stages == {}
+    fig = language_figures([ok, Outcome("de", "TIMEOUT", None)], slo_s=2.0, rate=1.0, window_s=1.0)
+    assert fig["stages_s"]["decode"]["p50"] == pytest.approx(0.4)
+    assert set(fig["stages_s"]) == {"queue", "prefill", "decode", "finish", "outside"}
+
+
+def test_step_kinds_between_two_scrapes() -> None:
+    before = {"decode": (100.0, 2.0), "mixed": (4.0, 0.3)}
+    after = {"decode": (150.0, 3.25), "mixed": (4.0, 0.3), "prefill": (2.0, 0.18)}
+    got = step_kinds_between(before, after)
+    assert got == {
+        "decode": {"steps": 50, "mean_ms": 25.0},
+        "prefill": {"steps": 2, "mean_ms": 90.0},
+    }
 
 
 def test_missing_replies_become_timeouts_per_language() -> None:

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.client import (
@@ -53,6 +53,9 @@ class Completion:
     reply_chars: int
     error: str | None
     decode_s: float | None = None  # the reply's `timings.decode_ms` (TTFT = latency - decode)
+    # The reply's timings in seconds (queue, prefill, decode, total: the worker's view from the
+    # request's timestamp to its reply); empty when no reply came.
+    worker_s: Mapping[str, float] = field(default_factory=dict)
     withheld: bool = False  # an ERROR reply whose answer the faithfulness checks withheld
 
 
@@ -150,6 +153,7 @@ class KafkaBridge:
         lag = max(0.0, time.monotonic() - scheduled_at)
         rid, status, error, tokens, chars = "", "ERROR", None, 0, 0
         decode_s: float | None = None
+        worker_s: dict[str, float] = {}
         withheld = False
         try:
             if client is None:
@@ -166,6 +170,11 @@ class KafkaBridge:
             tokens, chars = reply.tokens_out, len(reply.text)
             if "decode_ms" in reply.timings:
                 decode_s = reply.timings["decode_ms"] / 1e3
+            worker_s = {
+                k.removesuffix("_ms"): float(v) / 1e3
+                for k, v in reply.timings.items()
+                if k.endswith("_ms")
+            }
             withheld = reply.withheld is not None
         except TranslationTimeout as exc:
             rid, status, error = exc.request_id, "TIMEOUT", str(exc)
@@ -188,6 +197,7 @@ class KafkaBridge:
                 reply_chars=chars,
                 error=error,
                 decode_s=decode_s,
+                worker_s=worker_s,
                 withheld=withheld,
             )
         )
