@@ -122,6 +122,15 @@ def test_a_prepared_model_is_taken_as_is_or_refused(tiny_config: Any, tiny_model
         Engine(prepared, CONFIG)
 
 
+def test_int4_preparation_counts_its_formats(tiny_config: Any, tiny_models: Any) -> None:
+    # hidden 64: int4 for every projection whose input is a multiple of 32; down_proj's input
+    # (intermediate 48) and the LM head stay int8
+    _, loaded = tiny_models(tiny_config("llama", vocab_size=VOCAB, intermediate_size=48))
+    prepared = prepare_model(loaded, Preparation(quantize="int4"))
+    assert prepared.int4_linears == 2 * 4  # fused qkv, o, gate, up
+    assert prepared.int8_linears == 2 * 1 + 1  # down; + the LM head
+
+
 @pytest.mark.parametrize(
     "preparation",
     [Preparation(), Preparation(quantize="int8"), Preparation(fuse_qkv=False, pack_weights=False)],

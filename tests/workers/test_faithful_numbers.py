@@ -27,6 +27,7 @@ FAITHFUL = [
     ("See you at 7:10pm", "Bis um 19:10 Uhr"),
     ("See you at 7:10pm", "Bis um 19.10 Uhr"),
     ("See you at 7pm", "Bis 19 Uhr"),
+    ("The shop closes at 0:00", "Der Laden schließt um 0.00 Uhr"),  # midnight as a time
     ("See you at seven p.m.", "Bis 19:00 Uhr"),
     ("um 19 Uhr", "at 7 pm"),
     ("Your order of 05/12/2024", "Ihre Bestellung vom 12.05.2024"),

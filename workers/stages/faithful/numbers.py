@@ -120,10 +120,10 @@ def _token_values(token: str) -> set[float]:
     if len(groups) == 2:  # one separator as the decimal point
         head, tail = groups
         values.add(float(f"{int(head)}.{tail}"))
-        values.add(_minutes(int(head), int(tail)) if len(tail) == 2 else -1.0)  # "7.10" a time
+        if len(tail) == 2:  # "7.10" may be a time
+            values.add(_minutes(int(head), int(tail)))
     if len(groups) == 3 and len(groups[2]) != 3:  # "1.000,50": thousands, then decimals
         values.add(float(f"{int(groups[0] + groups[1])}.{groups[2]}"))
-    values.discard(-1.0)
     return values
 
 
