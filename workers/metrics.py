@@ -7,7 +7,9 @@ own: an unbounded label grows Prometheus' memory without bound).
 
 The metrics of the serving stages (protected spans, faithfulness, translation-memory retrieval,
 conversation context, the exact-match cache) are registered by `workers/metrics_stages.py`'s
-`StageMetrics`, which `WorkerMetrics` inherits: same names, same attributes.
+`StageMetrics`, and those of the engine's own statistics (KV use, prefix hits, steps by kind)
+by `workers/metrics_engine.py`'s `EngineMetrics`; `WorkerMetrics` inherits both: same names,
+same attributes.
 
 Tests pass a fresh `CollectorRegistry()` so several workers in one process do not collide;
 the worker process uses the default registry and `start_http_server(port)`.
@@ -22,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from workers.fairness.vtc import jain_index
+from workers.metrics_engine import EngineMetrics
 from workers.metrics_stages import StageMetrics
 
 __all__ = ["WorkerMetrics"]
@@ -45,7 +48,7 @@ _LAGS = {
 }
 
 
-class WorkerMetrics(StageMetrics):
+class WorkerMetrics(StageMetrics, EngineMetrics):
     """Every metric the worker exports. Pass the registry; nothing registers globally."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str = "tolk") -> None:
@@ -265,63 +268,7 @@ class WorkerMetrics(StageMetrics):
             registry=registry,
         )
         self._register_cache_metrics(ns, registry)  # workers/metrics_stages.py
-        # -- the engine's own statistics (workers/engine/engine_snapshot.py, polled) --
-        self.engine_kv_usage = Gauge(
-            "engine_kv_cache_usage_ratio",
-            "Share of the fullest KV pool's blocks referenced by running sequences (0..1).",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_running = Gauge(
-            "engine_running_sequences",
-            "Sequences in the engine's running batch.",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_prefix_queries = Counter(
-            "engine_prefix_cache_queries_tokens_total",
-            "Prompt tokens looked up in the engine's prefix cache.",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_prefix_hits = Counter(
-            "engine_prefix_cache_hits_tokens_total",
-            "Prompt tokens served from the prefix cache (hit rate: rate of this / of queries).",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_prefix_evictions = Counter(
-            "engine_prefix_cache_evictions_total",
-            "Cached KV blocks evicted for room (LRU).",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_preemptions = Counter(
-            "engine_preemptions_total",
-            "Running sequences preempted (recomputed later) because KV blocks ran out.",
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_steps = Counter(
-            "engine_steps_total", "Model steps run by the engine.", namespace=ns, registry=registry
-        )
-        # by kind ("decode" steps run the compiled graph where it is on; "mixed" and "prefill"
-        # run eagerly): seconds / steps per kind is the mean step time a request decodes at
-        self.engine_kind_steps = Counter(
-            "engine_kind_steps_total",
-            "Model steps run by the engine, by kind (decode, mixed, prefill).",
-            ["kind"],
-            namespace=ns,
-            registry=registry,
-        )
-        self.engine_step_seconds = Counter(
-            "engine_step_seconds_total",
-            "Seconds spent in model steps, by kind (decode, mixed, prefill).",
-            ["kind"],
-            namespace=ns,
-            registry=registry,
-        )
-        self._engine_seen: dict[str, float] = {}
+        self._register_engine_metrics(ns, registry)  # workers/metrics_engine.py
 
         # -- backlog per language, read from the broker (workers/kafka/drain.py, every few
         # seconds) --
@@ -393,30 +340,3 @@ class WorkerMetrics(StageMetrics):
             self.queue_depth.labels(lang=lang).set(depth)
         backlogged = [normalized.get(g, 0.0) for g, d in depths.items() if d > 0]
         self.jain_index.set(jain_index(backlogged))
-
-    def update_engine(self, snapshot: Any) -> None:
-        """Copy an `EngineSnapshot` (workers/engine/engine_snapshot.py) into the engine metrics.
-
-        Its counters are cumulative since the engine was built; each Prometheus counter grows by
-        the increase since the last snapshot (a smaller value, a new engine, counts from 0)."""
-        self.engine_kv_usage.set(snapshot.kv_usage)
-        self.engine_running.set(snapshot.running)
-        for name, counter in (
-            ("prefix_queries_tokens", self.engine_prefix_queries),
-            ("prefix_hit_tokens", self.engine_prefix_hits),
-            ("prefix_evictions", self.engine_prefix_evictions),
-            ("preemptions", self.engine_preemptions),
-            ("steps", self.engine_steps),
-        ):
-            value = int(getattr(snapshot, name))
-            last = self._engine_seen.get(name, 0)
-            counter.inc(value - last if value >= last else value)
-            self._engine_seen[name] = value
-        for kind, (steps, seconds) in getattr(snapshot, "steps_by_kind", {}).items():
-            for key, metric, total in (
-                (f"steps:{kind}", self.engine_kind_steps, float(steps)),
-                (f"seconds:{kind}", self.engine_step_seconds, float(seconds)),
-            ):
-                last = self._engine_seen.get(key, 0.0)
-                metric.labels(kind=kind).inc(total - last if total >= last else total)
-                self._engine_seen[key] = total
