@@ -77,12 +77,11 @@ def bleu_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> np.
 # --- off-target -------------------------------------------------------------------------------
 
 
-@functools.cache
 def _detector(codes: tuple[str, ...]) -> Any:
-    from lingua import IsoCode639_1, LanguageDetectorBuilder
+    # the serving check's detector, built once per candidate set for both
+    from workers.stages.faithful.language import detector
 
-    known = [getattr(IsoCode639_1, c.upper()) for c in codes if hasattr(IsoCode639_1, c.upper())]
-    return LanguageDetectorBuilder.from_iso_codes_639_1(*known).build()
+    return detector(codes)
 
 
 def _candidates(target_lang: str, candidates: Sequence[str]) -> tuple[str, ...]:

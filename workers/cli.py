@@ -224,7 +224,7 @@ def worker(
         bool,
         typer.Option(
             "--faithful/--no-faithful",
-            help="Length guard + leak/ratio/loop checks with one retry (docs/PROMPTS.md).",
+            help="Length guard + output checks (leak, ratio, loop, number, language), one retry.",
         ),
     ] = True,
     faithful_policy: Annotated[

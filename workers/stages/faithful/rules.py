@@ -27,6 +27,10 @@ a cap stops them. Each has a detector here, and `check` runs them all:
 - `invented_numbers` (issue #28, `workers/stages/faithful/numbers.py`): numbers in digits in
   the translation that no number of the source supports ("we can offer compensation" -> "eine
   120€-Entschädigung"), after normalising separators, clock times and number words.
+- `language_problem` (issue #28, `workers/stages/faithful/language.py`): the translation is
+  confidently in the source language ("untranslated") or a third one ("wrong_language"), by
+  lingua among the pair's and a few common languages; short texts are never called. Only when
+  the caller gives the source language.
 
 `LengthCaps` is the length guard: per language pair, a cap of `ceil(slope * source tokens +
 intercept)` output tokens fitted on the parallel data in `data/` so that it covers
@@ -50,6 +54,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from workers.stages.faithful.language import language_problem
 from workers.stages.faithful.numbers import invented_numbers
 
 __all__ = [
@@ -190,6 +195,7 @@ class Check:
     ngram_loop: bool = False
     length_guard: bool = False  # generation stopped at the length cap
     invented_numbers: tuple[str, ...] = ()  # digits the source does not hold (numbers.py)
+    language: str | None = None  # "untranslated" / "wrong_language" (language.py)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -205,6 +211,8 @@ class Check:
             names.append("length_guard")
         if self.invented_numbers:
             names.append("number")
+        if self.language is not None:
+            names.append(self.language)
         return tuple(names)
 
     @property
@@ -219,14 +227,23 @@ def check(
     target_lang: str,
     *,
     length_guard: bool = False,
+    source_lang: str | None = None,
+    languages: Sequence[str] = (),
 ) -> Check:
-    """Every detector on one translation; `length_guard`: it was stopped by the length cap."""
+    """Every detector on one translation; `length_guard`: it was stopped by the length cap;
+    `source_lang` turns the language check on (`languages`: more candidates for it, the
+    worker's)."""
     return Check(
         leaked_example=leaked_example(source, translation, examples, target_lang),
         ratio_outlier=ratio_outlier(source, translation),
         ngram_loop=ngram_loop(source, translation),
         length_guard=length_guard,
         invented_numbers=invented_numbers(source, translation),
+        language=(
+            language_problem(translation, source_lang, target_lang, languages, source)
+            if source_lang
+            else None
+        ),
     )
 
 

@@ -10,7 +10,9 @@ Flow of one request:
 2. The answer is checked (`workers.stages.faithful.rules.check`): a copied few-shot example, a
    length ratio outside [0.3, 3], an n-gram loop, a stop at the guard's cap (the guard was
    tighter than `max_new_tokens` and generation reached it), or a number the source does not
-   hold (`numbers.py`: an amount, a time or a count a customer would take as a promise).
+   hold (`numbers.py`: an amount, a time or a count a customer would take as a promise), or
+   an answer confidently in the source language or a third one (`language.py`: lingua among
+   the pair's, the worker's and a few common languages; short answers never called).
    Nothing found: the answer goes out unchanged.
 3. Something found: the text is translated once more under `<id>~faithful`, same deadline and
    cap, with the template's retry form (`prompts.json` `retry_form`, `short_mix8` for both
@@ -45,7 +47,7 @@ Its place in the pipeline is workers/serving/pipeline.py's: inside span protecti
 cache, outside retrieved examples (the retry gets the same examples). Its rerun is a
 `workers.stages.retry.RetryJob`'s (one shape for the three stages that retry). A failed run
 (ERROR, EXPIRED, CANCELLED) passes through unchanged. Callbacks run on the inner engine's
-thread: a few string comparisons and at most one submit.
+thread: a few string comparisons, one lingua call (~1 ms) and at most one submit.
 """
 
 from __future__ import annotations
@@ -83,13 +85,21 @@ __all__ = [
 NOTE_KEY = meta.FAITHFUL  # the reply metadata keys of this stage (workers/reply_metadata.py)
 FINISH_REASON_KEY = meta.FINISH_REASON
 GUARD_REASON = "length_guard"  # its value on an answer stopped at the guard's cap
-CHECKS = ("leak", "ratio", "loop", "length_guard")
 OUTCOMES = ("retried", "flagged", "withheld")
 POLICIES = ("withhold", "flag")  # what happens to an answer still suspect after the retry
 CANDIDATE_KEY = meta.FAITHFUL_CANDIDATE
 RETRY_SUFFIX = "~faithful"  # inner request id of the retry
 DEFAULT_MAX_NEW_TOKENS = 256  # the engine's default cap when a request names none
-_SEVERITY = {"leak": 4, "number": 3, "loop": 2, "length_guard": 2, "ratio": 1}
+_SEVERITY = {
+    "leak": 4,
+    "wrong_language": 4,
+    "untranslated": 3,
+    "number": 3,
+    "loop": 2,
+    "length_guard": 2,
+    "ratio": 1,
+}
+CHECKS = tuple(_SEVERITY)  # every check's name (the `check` label of the checks counter)
 
 
 class _FaithfulMetrics(Protocol):
@@ -162,7 +172,15 @@ class FaithfulEngine(EngineWrapper):
     def _check(self, job: RetryJob, result: GenerationResult) -> Check:
         hit_guard = job.state.guard_binding and result.finish_reason is FinishReason.LENGTH
         r = job.request
-        return check(r.text, result.text, self.examples, r.target_lang, length_guard=hit_guard)
+        return check(
+            r.text,
+            result.text,
+            self.examples,
+            r.target_lang,
+            length_guard=hit_guard,
+            source_lang=r.source_lang,
+            languages=self.languages,  # the engine's: more candidates of the language check
+        )
 
     def _on_first(self, job: RetryJob, result: GenerationResult) -> None:
         if not result.ok:
