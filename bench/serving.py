@@ -107,13 +107,7 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
                  langs: Sequence[str]) -> tuple[Driver, JSON]:  # fmt: skip
     """Start `system` (stopped when `stack` closes); returns its driver and start-up facts."""
     from bench import serving_llamaserver as llama
-    from bench.serving_kafka import (
-        drive_bridge,
-        free_port,
-        start_tolk_worker,
-        stop_process,
-        wait_compiled,
-    )
+    from bench.serving_kafka import drive_bridge, start_tolk_worker, stop_process, wait_compiled
     from workers.engine.loader import resolve_source
     from workers.loadtest.bridge import KafkaBridge
 
@@ -125,7 +119,7 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         from topics.catalog import catalog
 
         ensure_topics(args.bootstrap, catalog(langs, prefix=prefix))
-        port = free_port()
+        port = llama.free_port()  # the worker's metrics endpoint
         proc, start_s = start_tolk_worker(
             bootstrap=args.bootstrap, redis_url=args.redis_url, prefix=prefix, languages=langs,
             model=args.model, max_new_tokens=args.max_new_tokens,

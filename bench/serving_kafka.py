@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ from workers.loadtest.bridge import Completion, KafkaBridge
 __all__ = [
     "completion_outcome",
     "drive_bridge",
-    "free_port",
     "scrape_step_kinds",
     "start_tolk_worker",
     "step_kinds_between",
@@ -122,13 +120,6 @@ def wait_compiled(
             raise RuntimeError(f"tolk worker exited {proc.returncode}; see {log_path}")
         time.sleep(0.5)
     raise RuntimeError(f"tolk worker's decode graphs not compiled within {timeout_s:.0f} s")
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (for the worker's metrics endpoint)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_step_kinds(url: str) -> dict[str, tuple[float, float]]:

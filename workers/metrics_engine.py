@@ -97,7 +97,7 @@ class EngineMetrics:
             last = self._engine_seen.get(name, 0)
             counter.inc(value - last if value >= last else value)
             self._engine_seen[name] = value
-        for kind, (steps, seconds) in getattr(snapshot, "steps_by_kind", {}).items():
+        for kind, (steps, seconds) in snapshot.steps_by_kind.items():
             for key, metric, total in (
                 (f"steps:{kind}", self.engine_kind_steps, float(steps)),
                 (f"seconds:{kind}", self.engine_step_seconds, float(seconds)),

@@ -158,9 +158,9 @@ def _serve(settings: Any, served: Any) -> int:
     from workers.worker import Worker
 
     runner = Worker(settings, served)
-    # start-up ran torch work on this thread after the engine thread started (see
-    # workers/engine/threads.py): its OpenMP pool must not outlive it, or the engine's steps
-    # pay libgomp's throttled barriers (measured: decode steps 57 ms instead of 23)
+    # whatever torch work start-up ran on this thread (loading, the probe, the stages): its
+    # OpenMP pool must not outlive it, or the engine's steps pay libgomp's throttled barriers
+    # (workers/engine/threads.py; measured: decode steps 57 ms instead of 23)
     release_openmp_pool()
     code = 0
     try:
