@@ -115,3 +115,41 @@ def test_background_compile_serves_eagerly_until_ready(tiny_config: Any, tiny_mo
     after = engine.generate([GenerationRequest("after", prompt, params)])
     assert engine.stats.compiled_steps >= 11
     assert after[0].token_ids == eager[0].token_ids
+
+
+def _interleaved(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """The first prompt alone for three steps, then the others join while it decodes: a
+    prefill step, decode steps, then mixed steps (decode rows beside prefill chunks)."""
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True, stop_at_newline=False)
+    handles = [engine.submit(GenerationRequest("r0", prompts[0], params))]
+    for _ in range(3):
+        engine.step()
+    handles += [
+        engine.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts[1:], 1)
+    ]
+    engine.run_until_done()
+    return [h.result(timeout=0).token_ids for h in handles]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_and_mixed_steps_run_compiled_with_the_eager_tokens(
+    arch: str, tiny_config: Any, tiny_models: Any
+):
+    """`compile_max_rows`: prefill chunks and mixed steps run through the compiled graph, one row
+    per token (compiled.py), and give the eager engine's tokens. An 8-token step budget splits
+    the 21-token prompt into chunks, so one step samples nothing (its middle chunk)."""
+    _, loaded = tiny_models(tiny_config(arch, vocab_size=512))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (6, 21, 3)]
+    config = {"kv_cache_tokens": 2048, "max_num_batched_tokens": 8}
+    eager = _interleaved(Engine(loaded, EngineConfig(**config)), prompts)
+    engine = Engine(
+        loaded,
+        EngineConfig(**config, compile_decode=True, compile_max_batch=4, compile_max_rows=8),
+    )
+    assert _interleaved(engine, prompts) == eager
+    kinds, stats = engine.stats.steps_by_kind, engine.stats
+    assert kinds["prefill"] >= 1 and kinds["mixed"] >= 2
+    # every step ran compiled: decode steps as decode graphs, the others as rows
+    assert stats.compiled_steps == kinds["decode"]
+    assert stats.compiled_rows_steps == kinds["prefill"] + kinds["mixed"]

@@ -117,7 +117,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         self.kv_pools = self.prepared.allocate_kv_pools({g.name: g.num_blocks for g in groups}, bs)
         self.prepared.bind(self.kv_pools)  # the model's k_cache/v_cache, until another engine's
         self.compiled = (
-            CompiledDecode(self.model, bs, self.config.compile_max_batch)
+            CompiledDecode(
+                self.model, bs, self.config.compile_max_batch, self.config.compile_max_rows
+            )
             if self.config.compile_decode
             else None
         )

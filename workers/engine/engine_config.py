@@ -29,6 +29,9 @@ class EngineConfig:
     # steps beat eager ones at every batch size measured (8-32, docs/BENCHMARKS.md)
     compile_decode: bool = False
     compile_max_batch: int = 32
+    # prefill and mixed steps of <= compile_max_rows tokens through the same graph, one row per
+    # token (compiled.py; 0: eager); larger steps (a long prompt's chunks) stay eager
+    compile_max_rows: int = 64
     # compile those graphs on a background thread while the engine serves eagerly (the worker:
     # it consumes at once and gets faster when they are ready); False: before serving
     compile_in_background: bool = False
@@ -81,6 +84,7 @@ class EngineStats:
     last_batch_size: int = 0
     step_seconds: float = 0.0  # total time inside model steps
     compiled_steps: int = 0  # decode steps run by the compiled graph (compile_decode)
+    compiled_rows_steps: int = 0  # prefill / mixed steps run by it (compile_max_rows)
     graph_steps: int = 0  # decode steps replayed as a CUDA graph (cuda_graphs)
     screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)

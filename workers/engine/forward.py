@@ -10,7 +10,8 @@ scheduler pick the chunks, applies the stop rules and turns finished sequences i
 * a CUDA graph replay (`_run_graph`), when every chunk decodes one token and a captured batch
   size fits (workers/engine/cuda_graphs.py; else it falls through);
 * the compiled decode graph (`_run_compiled`, `--compile-decode`, workers/engine/compiled.py),
-  for decode-only steps of a batch size it covers;
+  for decode-only steps of a batch size it covers, and for prefill and mixed steps of at most
+  `compile_max_rows` tokens (`_run_compiled_rows`: every token a row of its own);
 * eagerly (`_forward_and_pick`): the chunks' tokens flattened into one batch with per-group
   attention metadata (block tables from the KV manager), one forward, then the last hidden
   row of each sampling chunk through the sampler (the screened int8 LM head when every
@@ -31,7 +32,7 @@ from workers.engine.engine_config import EngineStats
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.model import Transformer
 from workers.engine.sampling import TokenSampler
-from workers.engine.scheduler import SchedulerOutput
+from workers.engine.scheduler import SchedulerOutput, SequenceState
 
 __all__ = ["ModelStep"]
 
@@ -62,6 +63,8 @@ class ModelStep:
                 return picked
         if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
             return self._run_compiled(compiled, out)
+        if compiled is not None and compiled.applies_rows(sum(c.num_tokens for c in out.chunks)):
+            return self._run_compiled_rows(compiled, out)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -107,6 +110,29 @@ class ModelStep:
             },
         )
         return self.sampler.sample(seqs, logits, greedy)
+
+    def _run_compiled_rows(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
+        """A prefill or mixed step through the compiled graph: every token a row of its own
+        (a chunk's rows share its block table), logits only for the rows that sample."""
+        ids: list[int] = []
+        positions: list[int] = []
+        tables: dict[str, list[list[int]]] = {g.name: [] for g in self.kv.groups}
+        sample_rows: list[int] = []
+        seqs: list[SequenceState] = []
+        for c in out.chunks:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+            for g in self.kv.groups:  # each row of the chunk reads the chunk's table
+                table = self.kv.block_table(c.seq.request_id, g.name)
+                tables[g.name].extend([table] * c.num_tokens)
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+                seqs.append(c.seq)
+        self.stats.compiled_rows_steps += 1
+        # a step that samples nothing (a prompt's middle chunk) still computes one row's logits:
+        # the graph has no zero-row variant
+        logits, greedy = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])
+        return self.sampler.sample(seqs, logits, greedy) if seqs else {}
 
     def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
         """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket
