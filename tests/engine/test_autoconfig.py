@@ -149,12 +149,20 @@ def test_both_flags_given_skip_the_probe(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_auto_choice_loads_and_translates(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_choice_loads_and_translates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real probe on SmolLM2 (eager candidates only, to keep it short): one log line per
     candidate, a record on disk that the next start reads, and the chosen engine translates."""
     import logging
 
+    from workers.engine import autoprobe
     from workers.engine.autoprobe import auto_config
+
+    # fewer timed tokens than a real start measures (speeds are not asserted, only that each
+    # batch size was measured, stored and read back): 4 steps, one timed run after the warm-up
+    monkeypatch.setattr(autoprobe, "DECODE_STEPS", 4)
+    monkeypatch.setattr(autoprobe, "ROUNDS", 1)
     from workers.engine.disk_cache import cache_root
     from workers.engine.engine import Engine, EngineConfig
 

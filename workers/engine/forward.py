@@ -63,8 +63,9 @@ class ModelStep:
                 return picked
         if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
             return self._run_compiled(compiled, out)
-        if compiled is not None and compiled.applies_rows(sum(c.num_tokens for c in out.chunks)):
-            return self._run_compiled_rows(compiled, out)
+        tokens = sum(c.num_tokens for c in out.chunks)
+        if compiled is not None and not decode_only and compiled.applies_rows(tokens):
+            return self._run_compiled_rows(compiled, out)  # decode past max_batch stays eager
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
