@@ -24,8 +24,9 @@ tokens (`compile_max_rows`): a prefill chunk of n tokens is n rows at consecutiv
 the chunk's block table, and since every row's K/V is written before any row attends and a row
 at position p sees positions <= p, the rows attend causally as a prefill does; logits are
 computed only for the rows that sample (`sample_rows`: one per sampling chunk), so a 12-token
-prefill pays the LM head once. Such steps had run eagerly (Gemma 3 270M int8, a warm 12-token
-prefill, Intel Xeon 2 cores: 62 ms eager, 50 ms compiled). They take graphs of their own
+prefill pays the LM head once. Such steps had run eagerly (Gemma 3 270M int8, a warm query's
+prefill on an Intel Xeon, 2 cores, bench/prefill_steps.py: 15 tokens 82 ms eager, 53 compiled;
+32 tokens 111 / 100; 54 tokens 173 / 153). They take graphs of their own
 (dynamo specializes one sampled row), so warm-up compiles four: decode at batch 1 and at a
 dynamic batch, a prefill chunk, a mixed step. Longer steps (a long prompt's 512-token chunks),
 where per-row attention would re-read the context per token, and larger decode batches, stay
@@ -191,7 +192,8 @@ class CompiledDecode:
                 # rows sample one (a prefill chunk) or some (a mixed step); sizes all distinct,
                 # as dynamo gives equal sizes at tracing one symbol (and a guard)
                 for rows, samples in ((5, [4]), (7, [2, 5, 6])):
-                    tables = {group: [[0]] * rows for group in self.windows}
+                    null_table = [0] * (rows // self.block_size + 1)  # positions 0..rows-1
+                    tables = {group: [null_table] * rows for group in self.windows}
                     self([0] * rows, list(range(rows)), tables, samples)
                 self.rows_ready = True
         seconds = time.perf_counter() - t0

@@ -185,8 +185,8 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             )
         prepared = prepare_model(loaded, config.preparation)  # the swaps, once
         engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
-        # compile first: the language warm-up's prefill steps would otherwise compile the
-        # prefill graph lazily, in the foreground (45 s added to a worker's start, 2026-12-03)
+        # compile first: a language warm-up step of <= compile_max_rows tokens would otherwise
+        # compile the prefill graph lazily, in the foreground, before the background compile
         if engine.compiled is not None and config.compile_in_background:
             engine.compiled.warm_up_in_background()  # eager until ready (compiled.py)
         elif engine.compiled is not None:
