@@ -28,7 +28,7 @@ def test_release_frees_the_pool_and_torch_still_computes() -> None:
 # vendors a second libgomp; it is loaded first here, as in the worker.
 _POOL_CHILD = textwrap.dedent(
     """
-    import os, sys
+    import os, sys, time
     try:
         import sklearn.cluster  # noqa: F401  (loads scikit-learn's own libgomp)
     except ImportError:
@@ -43,6 +43,11 @@ _POOL_CHILD = textwrap.dedent(
     x.sum()  # a parallel region: torch's pool gets its worker thread
     with_pool = threads()
     assert release_openmp_pool() is True
+    # the paused pool's worker exits on its own thread, soon after the call returns (a CI run
+    # under load still listed it once): wait up to 5 s for it to go
+    end = time.monotonic() + 5
+    while threads() >= with_pool and time.monotonic() < end:
+        time.sleep(0.01)
     print(len(_libgomps()), with_pool, threads())
     """
 )
