@@ -158,13 +158,13 @@ def test_auto_choice_loads_and_translates(
 
     from workers.engine import autoprobe
     from workers.engine.autoprobe import auto_config
+    from workers.engine.disk_cache import cache_root
+    from workers.engine.engine import Engine, EngineConfig
 
     # fewer timed tokens than a real start measures (speeds are not asserted, only that each
     # batch size was measured, stored and read back): 4 steps, one timed run after the warm-up
     monkeypatch.setattr(autoprobe, "DECODE_STEPS", 4)
     monkeypatch.setattr(autoprobe, "ROUNDS", 1)
-    from workers.engine.disk_cache import cache_root
-    from workers.engine.engine import Engine, EngineConfig
 
     (tmp_path / "weights").symlink_to(cache_root() / "weights")  # the dequantized checkpoints
     over = Overrides(compile_decode=False)

@@ -11,7 +11,7 @@ scheduler pick the chunks, applies the stop rules and turns finished sequences i
   size fits (workers/engine/cuda_graphs.py; else it falls through);
 * the compiled decode graph (`_run_compiled`, `--compile-decode`, workers/engine/compiled.py),
   for decode-only steps of a batch size it covers, and for prefill and mixed steps of at most
-  `compile_max_rows` tokens (`_run_compiled_rows`: every token a row of its own);
+  `compile_max_rows` tokens (every token a row of its own);
 * eagerly (`_forward_and_pick`): the chunks' tokens flattened into one batch with per-group
   attention metadata (block tables from the KV manager), one forward, then the last hidden
   row of each sampling chunk through the sampler (the screened int8 LM head when every
@@ -61,11 +61,12 @@ class ModelStep:
             picked = self._run_graph(self.graphs, out)
             if picked is not None:
                 return picked
-        if compiled is not None and decode_only and compiled.applies(len(out.chunks)):
-            return self._run_compiled(compiled, out)
-        tokens = sum(c.num_tokens for c in out.chunks)
-        if compiled is not None and not decode_only and compiled.applies_rows(tokens):
-            return self._run_compiled_rows(compiled, out)  # decode past max_batch stays eager
+        if compiled is not None and (
+            compiled.applies(len(out.chunks))  # decode past max_batch stays eager
+            if decode_only
+            else compiled.applies_rows(sum(c.num_tokens for c in out.chunks))
+        ):
+            return self._run_compiled(compiled, out, decode_only)
         ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -98,23 +99,12 @@ class ModelStep:
             self.stats.screened_steps += 1  # greedy only: no logits needed
         return self.sampler.pick(seqs, rows)
 
-    def _run_compiled(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
-        """A decode-only step through the compiled graph (one new token per sequence)."""
-        seqs = [c.seq for c in out.chunks]
-        self.stats.compiled_steps += 1
-        logits, greedy = compiled(
-            [c.seq.token_ids[c.start] for c in out.chunks],
-            [c.start for c in out.chunks],
-            {
-                g.name: [self.kv.block_table(s.request_id, g.name) for s in seqs]
-                for g in self.kv.groups
-            },
-        )
-        return self.sampler.sample(seqs, logits, greedy)
-
-    def _run_compiled_rows(self, compiled: CompiledDecode, out: SchedulerOutput) -> dict[str, int]:
-        """A prefill or mixed step through the compiled graph: every token a row of its own
-        (a chunk's rows share its block table), logits only for the rows that sample."""
+    def _run_compiled(
+        self, compiled: CompiledDecode, out: SchedulerOutput, decode_only: bool
+    ) -> dict[str, int]:
+        """A step through the compiled graph, every token a row of its own: a decode step's
+        rows are its sequences; a prefill chunk's rows share its block table. Logits only for
+        the rows that sample (each sampling chunk's last)."""
         ids: list[int] = []
         positions: list[int] = []
         tables: dict[str, list[list[int]]] = {g.name: [] for g in self.kv.groups}
@@ -129,7 +119,10 @@ class ModelStep:
             if c.samples:
                 sample_rows.append(len(ids) - 1)
                 seqs.append(c.seq)
-        self.stats.compiled_rows_steps += 1
+        if decode_only:
+            self.stats.compiled_steps += 1
+        else:
+            self.stats.compiled_rows_steps += 1
         # a step that samples nothing (a prompt's middle chunk) still computes one row's logits:
         # the graph has no zero-row variant
         logits, greedy = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])
