@@ -51,6 +51,7 @@ from torch import Tensor
 
 from kernels import cpu_ops
 from kernels.attention import DecodeBatch
+from workers.engine.inductor_setup import configure_compiler
 from workers.engine.model import Transformer
 from workers.engine.threads import release_openmp_pool
 
@@ -118,6 +119,7 @@ class CompiledDecode:
         # engine; ~2 graphs each) counts against one limit, 8 by default: a process that builds
         # a fifth compiled engine (tests, benchmarks, several models) would hit it and, with
         # fullgraph, fail. Room for 32 engines.
+        configure_compiler()  # constants for floats, the SIMD probe kept on disk
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, MAX_GRAPHS)
         # whether decode steps may take the compiled path: True (compiled lazily on the first
