@@ -55,12 +55,18 @@ def _fair_engine(queue: VTCQueue | FCFSQueue) -> FairEngine:
 
 
 def _hammer(engine_queue: object, stop: threading.Event, errors: list[BaseException]) -> None:
-    """The engine thread's side: queue traffic over ever new groups."""
+    """The engine thread's side: queue traffic over ever new groups during HAMMER_S (at least
+    100), then over the groups it made (the ledger keeps every group it saw: after a minute of
+    new ones a reader's pass took seconds, and the test 63 s in a loaded suite)."""
     q: object = engine_queue
     i = 0
+    new_groups_until = time.monotonic() + HAMMER_S
+    groups = 0
     try:
         while not stop.is_set():
-            req = _request(f"r{i}", f"g{i}")
+            if groups < 100 or time.monotonic() < new_groups_until:
+                groups += 1
+            req = _request(f"r{i}", f"g{i % groups}")
             q.push(req)  # type: ignore[attr-defined]
             q.charge(req, 3, 1)  # type: ignore[attr-defined]
             if i % 3 == 0:

@@ -185,17 +185,23 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             )
         prepared = prepare_model(loaded, config.preparation)  # the swaps, once
         engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
-        # compile first: a language warm-up step of <= compile_max_rows tokens would otherwise
-        # compile the prefill graph lazily, in the foreground, before the background compile
-        if engine.compiled is not None and config.compile_in_background:
-            engine.compiled.warm_up_in_background()  # eager until ready (compiled.py)
-        elif engine.compiled is not None:
+        compiled = engine.compiled
+        background = compiled is not None and config.compile_in_background
+        if compiled is not None and background:
+            # the languages first, eagerly (a warm-up step of <= compile_max_rows tokens must not
+            # compile a graph in the foreground), then the background compile: its tracing holds
+            # the GIL ~10 s a graph and starved a warm-up that ran beside it (Gemma 3 on the
+            # Xeon: consuming 46 s after process start instead of ~20)
+            compiled.ready = compiled.rows_ready = False
+        elif compiled is not None:
             with prepared.bound(engine.kv_pools):  # warm-up writes the null block of its pools
-                engine.compiled.warm_up()
+                compiled.warm_up()
             release_openmp_pool()
         warm = [lang for lang in config.warm_languages if lang in engine.languages]
         if warm:
             engine.warm(warm)  # synchronous: the loop thread is not running yet
+        if compiled is not None and background:
+            compiled.warm_up_in_background()  # eager until ready (compiled.py)
         if engine.graphs is not None:
             with prepared.bound(engine.kv_pools):  # captured with this engine's pools bound
                 engine.graphs.warm_up()
