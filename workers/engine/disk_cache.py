@@ -10,7 +10,8 @@ root, so one `rm -rf` clears it (docs/OPERATIONS.md):
     root/weights/<gguf hash>/      dequantized checkpoints (workers/engine/loader.py)
     root/inductor/                 TORCHINDUCTOR_CACHE_DIR (FX graph + AOTAutograd caches)
     root/torch_extensions/         TORCH_EXTENSIONS_DIR (kernels/cpu_ops.py's build)
-    root/probes/<name>.json        keyed JSON records (the auto configuration's probe)
+    root/probes/<name>.json        keyed JSON records (the auto configuration's probe,
+                                   inductor's SIMD checks: inductor_setup.py)
 
 A record is valid only for its key: `read_record(path, key)` returns None for a missing file,
 another key (another CPU, model, torch or tolk version: the caller rebuilds and overwrites) or a
