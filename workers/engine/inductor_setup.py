@@ -1,8 +1,8 @@
 """Settings that make `torch.compile` start fast: what a compile costs beyond the graphs.
 
 Measured on an Intel Xeon (2 cores, 2026-12-03), SmolLM2 with two decode graphs, both from
-inductor's disk cache: 63 s before these settings, 31 s with `specialize_float`, and ~15 s
-less again in every later process with the SIMD probe's results kept on disk. Two costs:
+inductor's disk cache: 63 s before these settings, 31 s with `specialize_float`, 14 s with the
+SIMD probe's answers kept on disk as well (docs/BENCHMARKS.md). Two costs:
 
 - **Traced twice.** Left to its default (`specialize_float=False`), dynamo traces the model's
   float attributes (RMSNorm eps, scales) as symbolic floats; inductor's pass that turns them
@@ -14,8 +14,9 @@ less again in every later process with the SIMD probe's results kept on disk. Tw
   process that compiles, even when every graph is cached. `remember_isa_probes()` wraps the
   check so that its answer is kept per machine under `probes/` (workers/engine/disk_cache.py),
   keyed by torch version, CPU fingerprint, compiler flags and test code: the first process on
-  a machine probes as before, later ones read the answer. A failed probe is kept as well (that
-  level is then not used, as before).
+  a machine probes as before, later ones read the answer. Only a passed probe is kept: a
+  failed one (that level not used, as before) is probed again by the next process, so a
+  passing failure (a full disk, say) does not lose the level for good.
 
 `configure_compiler()` applies both; `CompiledDecode` calls it before its first compile.
 Private torch attributes are looked up defensively: a torch without them keeps its defaults.
@@ -69,14 +70,14 @@ def _remembered(check: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:16]
         path = disk_cache.cache_root() / "probes" / f"inductor-isa-{name}.json"
-        known = disk_cache.read_record(path, key)
-        if isinstance(known, bool):
-            return known
+        if disk_cache.read_record(path, key) is True:
+            return True
         result = bool(check(self, code))
-        try:
-            disk_cache.write_record(path, key, result)
-        except OSError as exc:  # a read-only cache: probe again next time
-            log.warning("could not keep the SIMD probe's answer in %s: %s", path, exc)
+        if result:  # a failure is probed again next time (it may have been passing trouble)
+            try:
+                disk_cache.write_record(path, key, True)
+            except OSError as exc:  # a read-only cache: probe again next time
+                log.warning("could not keep the SIMD probe's answer in %s: %s", path, exc)
         return result
 
     return check_build
