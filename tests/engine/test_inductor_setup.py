@@ -15,6 +15,12 @@ import torch
 from workers.engine import inductor_setup
 
 
+@pytest.fixture(autouse=True)
+def _default_probe_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default root (TOLK_CACHE_DIR, set per test), not an earlier engine's choice."""
+    monkeypatch.setattr(inductor_setup, "_probe_dir", None)
+
+
 class FakeIsa:
     def __init__(self, flags: str) -> None:
         self._arch_flags = flags

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.engine import disk_cache, linear_backends
+from workers.engine import disk_cache, inductor_setup, linear_backends
 from workers.engine.compiled import CompiledDecode
 from workers.engine.cuda_graphs import CudaGraphDecode
 from workers.engine.engine_config import EngineConfig, EngineStats
@@ -178,6 +178,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         root = disk_cache.cache_root(config.cache_dir)
         disk_cache.configure_compile_caches(root)  # before the C++ ops build, before compiling
         linear_backends.use_disk_cache(root / "probes" / "linear_backends.json")
+        inductor_setup.use_disk_cache(root / "probes")
         if loaded is None:
             dtype = getattr(torch, config.dtype) if config.dtype else None
             loaded = load_model(
@@ -185,8 +186,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             )
         prepared = prepare_model(loaded, config.preparation)  # the swaps, once
         engine = cls(prepared, config, **kwargs)  # type: ignore[arg-type]
-        compiled = engine.compiled
-        background = compiled is not None and config.compile_in_background
+        compiled, background = engine.compiled, config.compile_in_background
         if compiled is not None and background:
             # the languages first, eagerly (a warm-up step of <= compile_max_rows tokens must not
             # compile a graph in the foreground), then the background compile: its tracing holds

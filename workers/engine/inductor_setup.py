@@ -12,7 +12,7 @@ SIMD probe's answers kept on disk as well (docs/BENCHMARKS.md). Two costs:
   (AVX-512 with VNNI, AVX-512 with BF16, AVX2, ...) by building a test library (cached) and
   loading it in a fresh `python -c "import torch ..."`: six subprocesses, ~15 s, in every
   process that compiles, even when every graph is cached. `remember_isa_probes()` wraps the
-  check so that its answer is kept per machine under `probes/` (workers/engine/disk_cache.py),
+  check so that its answer is kept per machine under the cache root's `probes/` (disk_cache.py),
   keyed by torch version, CPU fingerprint, compiler flags and test code: the first process on
   a machine probes as before, later ones read the answer. Only a passed probe is kept: a
   failed one (that level not used, as before) is probed again by the next process, so a
@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,14 @@ from workers.engine import disk_cache
 log = logging.getLogger(__name__)
 
 _ORIGINAL_CHECK = "_tolk_original_check_build"
+_probe_dir: Path | None = None  # where the answers are kept (use_disk_cache); None: the default
+
+
+def use_disk_cache(directory: Path) -> None:
+    """Keep the SIMD probe's answers under `directory` (`Engine.from_config`: the configured
+    cache root's `probes/`, as the linear backends' records); unset, the default root's."""
+    global _probe_dir
+    _probe_dir = directory
 
 
 def configure_compiler() -> None:
@@ -69,7 +78,8 @@ def _remembered(check: Callable[[Any, str], bool]) -> Callable[[Any, str], bool]
             torch=torch.__version__, cpu=disk_cache.cpu_fingerprint(), flags=flags, code=code_hash
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = disk_cache.cache_root() / "probes" / f"inductor-isa-{name}.json"
+        directory = _probe_dir if _probe_dir is not None else disk_cache.cache_root() / "probes"
+        path = directory / f"inductor-isa-{name}.json"
         if disk_cache.read_record(path, key) is True:
             return True
         result = bool(check(self, code))
