@@ -8,6 +8,10 @@ Design notes
   that feeds it the reply topic (concurrency 1: faust-streaming #606, a concurrent agent can
   commit past unprocessed records), the tumbling windowed table, and the 0.5 s timer that
   hands it the table and the reply partitions' high watermarks.
+* **Resuming.** Faust does not wait for the table's changelog before it commits the reply
+  offsets, so after the table is restored (faust's `on_rebalance_complete`, before it seeks to
+  the committed offsets) `read_again_past_the_changelog` moves a committed offset that is past
+  the restored counts back to them (`GuardCore.rewind`, core.py says why).
 * **Deciding.** A decision is written as a rollout event, then (if the share moved) the
   language's shares go to the control topic (`events.EventWriter`), and a log line says why
   with the figures. The rollout states come from the events topic (`events.load_book`) at
@@ -78,6 +82,7 @@ def _highwaters(consumer: Any, topic: str, parts: list[int]) -> dict[int, int]:
 def build_app(config: GuardConfig, core: GuardCore) -> Any:
     """The faust app: the counting agent, the windowed table, the judging timer."""
     import faust
+    from faust.types import TP
 
     parts, committed = _partitions_and_committed(config)
     core.read_upto.update(committed)
@@ -117,6 +122,36 @@ def build_app(config: GuardConfig, core: GuardCore) -> Any:
         )
         .relative_to_stream()
     )
+
+    async def read_again_past_the_changelog(sender: Any, *_: Any, **__: Any) -> None:
+        # the table is restored, faust seeks to the committed offsets next (core.py: "Resuming")
+        assigned = {
+            tp.partition for tp in app.consumer.assignment() if tp.topic == config.replies_topic
+        }
+        if not assigned:
+            return
+        loop = asyncio.get_running_loop()
+        now_committed = (await loop.run_in_executor(None, _partitions_and_committed, config))[1]
+        mine = {p: off for p, off in now_committed.items() if p in assigned}
+        back = core.rewind(list(table.table.data.items()), mine)
+        if not back:
+            return
+        for p, offset in sorted(back.items()):
+            log.warning(
+                "reply partition %d: committed offset %d is past the restored counts (newest "
+                "%d): reading from %d again",
+                p,
+                mine[p],
+                offset - 1,
+                offset,
+            )
+        offsets = {TP(config.replies_topic, p): offset for p, offset in back.items()}
+        consumer: Any = app.consumer  # its _commit: as faust's own member and generation
+        if not await consumer._commit(offsets):
+            log.error("could not move the committed offsets back to %s", back)
+
+    signal: Any = app.on_rebalance_complete  # mode's stubs reject an async receiver
+    signal.connect(read_again_past_the_changelog)
 
     @app.agent(replies, concurrency=1)
     async def count_replies(stream: Any) -> None:

@@ -11,10 +11,19 @@ guard process needs.
   the reply record's timestamp) keyed by `<source partition>|<language>|<arm>`. Faust writes a
   table update to the changelog partition of the event's own partition, so the source
   partition belongs in the key: every key is written from one partition only, and a restart
-  restores it whole. The value carries the last source offset folded in; faust flushes the
-  changelog before it commits source offsets, so after a SIGKILL the replies since the last
-  commit are read again and those already in the changelog are skipped
-  (`windows.add_observation`): the counts equal an uninterrupted run's.
+  restores it whole. The value carries the last source offset folded in, so a reply read twice
+  counts once (`windows.add_observation`).
+* **Resuming after a crash.** Faust does not wait for the changelog before it commits source
+  offsets (faust-streaming 0.15.3: the commit's producer flush gives up after 0.1 s per
+  queued message). A guard SIGKILLed under load had committed offset 80 of a reply partition
+  whose changelog reached offset 25: the restored counts lacked 54 replies, and the restarted
+  guard judged windows short. So after the table is restored and before faust seeks to the
+  committed offsets, `rewind` moves each partition's committed offset back to just after the
+  newest source offset in the restored table (changelog writes leave in order, so everything
+  before it is in); the replies between are read again, those already counted are skipped,
+  and the counts equal an uninterrupted run's (`tests/workers/guard/test_guard_kafka.py`). A
+  partition none of whose updates reached the changelog cannot be told from one with no
+  countable replies and is not rewound.
 * **Judging.** A timer (every 0.5 s) judges, for each language in an active rollout, every
   window that has closed: its end plus `grace_s` has passed on the wall clock, and every reply
   partition has been read past it (a reply with a later timestamp processed, or the partition
@@ -108,6 +117,27 @@ class GuardCore:
             return None
         self.metrics.replies_total.labels(lang=obs.lang, arm=obs.arm).inc()
         return key, new
+
+    def rewind(self, items: list[tuple[Any, Any]], committed: Mapping[int, int]) -> dict[int, int]:
+        """The reply partitions whose committed offset is past the restored table, each with the
+        offset to read from again (one past the newest source offset in the table); `items`:
+        the table's raw (key, window range) -> value pairs, `committed`: partition -> committed
+        offset. The partitions' read positions go back with them, so no window is judged before
+        the replies between are read again."""
+        newest: dict[int, int] = {}
+        for raw_key, value in items:
+            partition = int(str(raw_key[0]).split("|", 1)[0])
+            last = int((value or {}).get("last_offset", -1))
+            newest[partition] = max(newest.get(partition, -1), last)
+        back = {
+            p: newest[p] + 1
+            for p, offset in committed.items()
+            if p in newest and newest[p] >= 0 and offset > newest[p] + 1
+        }
+        for p, offset in back.items():
+            self.read_upto[p] = offset
+            self.max_ts.pop(p, None)
+        return back
 
     def _ignore(self, reason: str, n: int = 1) -> None:
         self.ignored[reason] = self.ignored.get(reason, 0) + n
