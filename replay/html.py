@@ -22,7 +22,7 @@ ARM_COLUMNS = (
     ("requests", "requests"),
     ("OK", "status.OK"),
     ("ERROR", "status.ERROR"),
-    ("of which withheld", "status.withheld"),
+    ("withheld", "status.withheld"),
     ("REJECTED", "status.REJECTED"),
     ("EXPIRED", "status.EXPIRED"),
     ("unanswered", "status.unanswered"),

@@ -40,8 +40,9 @@ from workers import reply_metadata
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
 # reply metadata key of the faithfulness outcome (= workers.stages.faithful.stage.NOTE_KEY; replay
-# reads replies and imports no worker code): an ERROR reply whose value is "withheld" is also
-# counted under status "withheld" (the worker kept an unfaithful text back)
+# reads replies and imports no worker code): an ERROR reply whose value is "withheld" is counted
+# under status "withheld", not ERROR (the worker kept an unfaithful text back: a quality
+# outcome, not a service error; issue #28)
 WITHHELD_KEY = reply_metadata.FAITHFUL
 PERCENTILES = (50, 95, 99)
 NOISE_SUFFIXES = ("'", "\u2032", "-copy", "_copy")
@@ -180,6 +181,7 @@ def _arm_summary(
     statuses = Counter(measures[rid]["status"] for rid in rids if rid in measures)
     counts = {s: statuses.get(s, 0) for s in STATUSES}
     counts["withheld"] = sum(1 for rid in rids if measures.get(rid, {}).get("withheld"))
+    counts["ERROR"] -= counts["withheld"]  # service errors only
     counts["unanswered"] = sum(1 for rid in rids if rid not in measures)
     counts["duplicates"] = sum(duplicates[rid] for rid in rids)
     summary: dict[str, Any] = {"requests": len(rids), "status": counts}

@@ -320,10 +320,9 @@ def test_real_workers_roll_german_back_while_french_promotes(
     }
     for lang in LANGS:  # before the rollout the stable arm serves everything
         publish_shares(kafka, arm_control_topic(prefix), lang, {"stable": 100.0})
-    # flag, not withhold: a withheld answer is an ERROR reply, and one in a 5-reply window would
-    # roll French back on the error rate; this drill is about latency
+    # the default faithfulness policy (withhold): a withheld answer is a quality outcome the
+    # guard counts apart from errors (issue #28), so it does not roll French back
     worker_args = ["worker", "--model", "smollm2-135m", "--metrics-port", "0", "--no-cache"]
-    worker_args += ["--faithful-policy", "flag"]
     arms = {
         "stable": ToolProcess(
             [*worker_args, "--arm", "stable"],

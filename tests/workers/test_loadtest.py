@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -51,12 +52,14 @@ def _c(lang: str, latency: float, status: str = "OK") -> Completion:
 
 
 def test_summary_uses_ok_replies_only_and_counts_every_status(tmp_path: Path) -> None:
+    withheld = dataclasses.replace(_c("de", 0.5, "ERROR"), withheld=True)
     done = [_c("de", x / 10) for x in range(1, 21)] + [_c("de", 9.0, "TIMEOUT"), _c("fr", 0.2)]
+    done += [_c("de", 0.4, "ERROR"), withheld]
     row = language_summary("de", [c for c in done if c.lang == "de"], 2.0, 10.0)
-    assert row["sent"] == 21 and row["ok"] == 20
-    assert row["statuses"] == {"OK": 20, "TIMEOUT": 1}
+    assert row["sent"] == 23 and row["ok"] == 20
+    assert row["statuses"] == {"ERROR": 1, "OK": 20, "TIMEOUT": 1, "WITHHELD": 1}
     assert row["p50_ms"] == 1000.0 and row["p95_ms"] == 1900.0 and row["p99_ms"] == 2000.0
-    assert row["throughput_per_s"] == 2.0 and row["offered_per_s"] == 2.1
+    assert row["throughput_per_s"] == 2.0 and row["offered_per_s"] == 2.3
     summary = write_summary(tmp_path, done, {"de": 2.0, "fr": 1.0, "it": 1.0}, 10.0, {"x": 1})
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     by_lang = {r["lang"]: r for r in summary["languages"]}

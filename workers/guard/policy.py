@@ -8,7 +8,11 @@ guards running at once.
   language's SLO (`LanguagePolicy.slo_p99_s`) and against the stable arm in the same window.
   *Inconclusive* below `min_requests` canary replies (nor promotes, nor rolls back, nor breaks
   a streak). *Bad* when any of: the canary's error rate or expired rate is more than
-  `max_rate_increase` above the stable's; its P99 is over the SLO while the stable's is not
+  `max_rate_increase` above the stable's (a withheld answer is not an error, issue #28); its
+  rate of answers the faithfulness checks withheld or flagged is more than
+  `max_suspect_increase` above the stable's, with at least `min_suspect` of them (the quality
+  rule: only against a stable arm with enough replies, as a small model withholds some answers
+  on either arm); its P99 is over the SLO while the stable's is not
   (or the stable has too few replies to compare) or is over the SLO and above
   `max_latency_ratio` x the stable's; its P95 is above `max_latency_ratio` x the stable's P95
   plus `latency_slack_ms` (a regression inside the SLO). Else *good*. Every bad verdict says
@@ -72,6 +76,9 @@ class GuardPolicy:
     good_windows_to_promote: int = 3
     min_share: float = 1.0  # percent: below it the guard does not judge
     max_rate_increase: float = 0.05  # error / expired rate over the stable's by more: bad
+    # withheld + flagged rate over the stable's by more, and at least min_suspect of them: bad
+    max_suspect_increase: float = 0.10
+    min_suspect: int = 3
     max_latency_ratio: float = 1.5  # canary P95 (P99 past the SLO) vs the stable's
     latency_slack_ms: float = 250.0  # added to the ratio bound (small latencies are noisy)
 
@@ -121,6 +128,15 @@ def judge_window(
         reasons.append(f"error rate {canary.error_rate:.1%} vs stable {base_err:.1%}")
     if canary.expired_rate > base_exp + policy.max_rate_increase:
         reasons.append(f"expired rate {canary.expired_rate:.1%} vs stable {base_exp:.1%}")
+    if (
+        compare
+        and stable is not None
+        and canary.suspect >= policy.min_suspect
+        and canary.suspect_rate > stable.suspect_rate + policy.max_suspect_increase
+    ):
+        reasons.append(
+            f"withheld/flagged rate {canary.suspect_rate:.1%} vs stable {stable.suspect_rate:.1%}"
+        )
     slo_ms = slo.slo_p99_s * 1000 if slo is not None else math.inf
     if canary.p99_ms > slo_ms:
         if not compare or stable is None:

@@ -6,7 +6,9 @@ windowed table; the judging step merges the counts of one window (over the reply
 into `WindowStats` and hands them to `workers.guard.policy`.
 
 * **Observation.** A reply (the Avro `TranslationResult`, decoded by the caller) becomes an
-  `Observation` (language, arm, status, latency) or an `Ignored` with a reason:
+  `Observation` (language, arm, status, latency, and the faithfulness checks' outcome when they
+  withheld the answer or sent it flagged: a quality outcome, counted apart from service
+  errors, issue #28) or an `Ignored` with a reason:
   `malformed` (undecodable, or fields that make no sense), `no_arm` (a worker without
   `--arm`: it belongs to no rollout), `clock_skew` (a latency below zero or not finite, longer
   than `max_latency_ms`, or a `completed_at` further than `max_skew_ms` from the reply
@@ -16,11 +18,11 @@ into `WindowStats` and hands them to `workers.guard.policy`.
 * **Latency** is the reply's `timings.total_ms`: from the request record's timestamp (the
   client's create time) to the reply being produced.
 * **Counts** are plain JSON-able dicts (the table's changelog serializes them as JSON):
-  requests, per status, a latency histogram with buckets 2 % wide (geometric), and the last
-  source offset folded in. `add_observation` refuses an offset it has already folded, which is
-  what makes a restarted guard count exactly once: faust commits the source offsets after the
-  changelog is flushed, so after a SIGKILL the replies since the last commit are read again,
-  and those whose update already reached the changelog are skipped here.
+  requests, per status, a latency histogram with buckets 2 % wide (geometric), withheld and
+  flagged answers, and the last source offset folded in. `add_observation` refuses an offset
+  it has already folded, which is what makes a restarted guard count exactly once: it reads
+  again the replies after the newest one its restored table holds (core.py, "Resuming after a
+  crash"), and those whose update already reached the changelog are skipped here.
 * **Percentiles** come from the histogram (the upper edge of the bucket holding the rank, so
   within 2 % above the exact value): the same counts give the same figures in every process.
 """
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.arms import split_arm, validate_arm_name
+from workers.reply_metadata import FAITHFUL
 
 __all__ = [
     "BUCKET_GROWTH",
@@ -67,6 +70,7 @@ class Observation:
     arm: str  # the arm that answered (from model_version "<version>@<arm>")
     status: str  # OK | ERROR | REJECTED | EXPIRED
     latency_ms: float  # timings.total_ms: request created -> reply produced
+    quality: str = ""  # "withheld" (an ERROR) | "flagged" (an OK) by the faithfulness checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +112,9 @@ def observe(
         return Ignored("clock_skew", f"latency {latency!r} ms")
     if abs(completed_at - record_ts_ms) > max_skew_ms:
         return Ignored("clock_skew", f"completed_at {completed_at} vs record time {record_ts_ms}")
-    return Observation(lang, arm, status, latency)
+    note = (reply.get("metadata") or {}).get(FAITHFUL)
+    suspect = {"ERROR": "withheld", "OK": "flagged"}.get(status)
+    return Observation(lang, arm, status, latency, suspect if suspect and note == suspect else "")
 
 
 def window_start_ms(ts_ms: int, window_ms: int) -> int:
@@ -132,7 +138,13 @@ def bucket_upper_ms(bucket: int) -> float:
 
 def empty_counts() -> dict[str, Any]:
     """A table value with nothing counted (`last_offset` -1: no source record folded yet)."""
-    return {"requests": 0, "status": {s: 0 for s in STATUSES}, "hist": {}, "last_offset": -1}
+    return {
+        "requests": 0,
+        "status": {s: 0 for s in STATUSES},
+        "hist": {},
+        "quality": {},
+        "last_offset": -1,
+    }
 
 
 def add_observation(
@@ -148,10 +160,14 @@ def add_observation(
     hist = dict(base.get("hist") or {})
     key = str(bucket_of(obs.latency_ms))  # JSON object keys are strings
     hist[key] = int(hist.get(key, 0)) + 1
+    quality = dict(base.get("quality") or {})  # absent in a table written before issue #28
+    if obs.quality:
+        quality[obs.quality] = int(quality.get(obs.quality, 0)) + 1
     return {
         "requests": int(base.get("requests", 0)) + 1,
         "status": status,
         "hist": hist,
+        "quality": quality,
         "last_offset": offset,
     }
 
@@ -165,6 +181,8 @@ def merge_counts(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             out["status"][status] = out["status"].get(status, 0) + int(n)
         for bucket, n in (part.get("hist") or {}).items():
             out["hist"][str(bucket)] = out["hist"].get(str(bucket), 0) + int(n)
+        for outcome, n in (part.get("quality") or {}).items():
+            out["quality"][outcome] = out["quality"].get(outcome, 0) + int(n)
     out["last_offset"] = -1  # meaningless across partitions
     return out
 
@@ -193,11 +211,13 @@ class WindowStats:
     window_start_ms: int
     window_end_ms: int
     requests: int
-    errors: int  # ERROR replies
+    errors: int  # ERROR replies that are service errors (a withheld answer is not one)
     expired: int  # EXPIRED replies
     rejected: int  # REJECTED replies
     p95_ms: float  # NaN without requests
     p99_ms: float
+    withheld: int = 0  # answers the faithfulness checks withheld (ERROR replies)
+    flagged: int = 0  # answers they sent flagged (OK replies)
 
     @property
     def error_rate(self) -> float:
@@ -207,12 +227,23 @@ class WindowStats:
     def expired_rate(self) -> float:
         return self.expired / self.requests if self.requests else 0.0
 
+    @property
+    def suspect(self) -> int:
+        """Answers the faithfulness checks still found suspect after the retry."""
+        return self.withheld + self.flagged
+
+    @property
+    def suspect_rate(self) -> float:
+        return self.suspect / self.requests if self.requests else 0.0
+
     def figures(self, prefix: str) -> dict[str, float]:
         """Flat figures for an event or a log line: `<prefix>_requests`, ..."""
         return {
             f"{prefix}_requests": float(self.requests),
             f"{prefix}_error_rate": round(self.error_rate, 6),
             f"{prefix}_expired_rate": round(self.expired_rate, 6),
+            f"{prefix}_withheld_rate": round(self.withheld / max(self.requests, 1), 6),
+            f"{prefix}_flagged_rate": round(self.flagged / max(self.requests, 1), 6),
             f"{prefix}_p95_ms": round(self.p95_ms, 3) if self.requests else -1.0,
             f"{prefix}_p99_ms": round(self.p99_ms, 3) if self.requests else -1.0,
         }
@@ -225,15 +256,19 @@ def stats_of(
     c = counts if counts else empty_counts()
     status = c.get("status") or {}
     hist = c.get("hist") or {}
+    quality = c.get("quality") or {}
+    withheld = int(quality.get("withheld", 0))
     return WindowStats(
         lang=lang,
         arm=arm,
         window_start_ms=start_ms,
         window_end_ms=start_ms + window_ms,
         requests=int(c.get("requests", 0)),
-        errors=int(status.get("ERROR", 0)),
+        errors=int(status.get("ERROR", 0)) - withheld,
         expired=int(status.get("EXPIRED", 0)),
         rejected=int(status.get("REJECTED", 0)),
         p95_ms=percentile_ms(hist, 0.95),
         p99_ms=percentile_ms(hist, 0.99),
+        withheld=withheld,
+        flagged=int(quality.get("flagged", 0)),
     )

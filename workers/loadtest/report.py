@@ -3,9 +3,10 @@
 Locust's own stats round response times into buckets (two significant digits above 100 ms),
 so the figures of `summary.json` are computed here from every request's exact latency:
 nearest-rank percentiles (P_q = the ceil(q/100 * n)-th smallest latency, always a latency that
-was measured) over the OK replies of a language, plus counts per status, the offered rate
-(sent / sending window) and the throughput (OK replies / sending window). Every request is
-also one row of `requests.csv`, so any figure can be recomputed from it.
+was measured) over the OK replies of a language, plus counts per status (an ERROR reply whose
+answer the faithfulness checks withheld counts as WITHHELD, apart from service errors), the
+offered rate (sent / sending window) and the throughput (OK replies / sending window). Every
+request is also one row of `requests.csv`, so any figure can be recomputed from it.
 
 Latency is measured from each request's scheduled send time to its reply (bridge.py), so a
 slow worker shows up as latency, not as a lower send rate.
@@ -42,8 +43,9 @@ def language_summary(
 ) -> dict[str, Any]:
     """The figures of one language: counts by status, OK latency percentiles (ms), rates."""
     statuses: dict[str, int] = {}
-    for c in done:
-        statuses[c.status] = statuses.get(c.status, 0) + 1
+    for c in done:  # a withheld answer is a quality outcome, not a service ERROR (issue #28)
+        status = "WITHHELD" if c.withheld else c.status
+        statuses[status] = statuses.get(status, 0) + 1
     ok = sorted(c.latency_s for c in done if c.status == "OK")
     lags = sorted(c.send_lag_s for c in done)
     window = max(window_s, 1e-9)

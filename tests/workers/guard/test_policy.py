@@ -34,6 +34,8 @@ def stats(
     errors: int = 0,
     expired: int = 0,
     lang: str = "de",
+    withheld: int = 0,
+    flagged: int = 0,
 ) -> WindowStats:
     return WindowStats(
         lang,
@@ -46,6 +48,8 @@ def stats(
         0,
         p95 if n else math.nan,
         p99 if n else math.nan,
+        withheld,
+        flagged,
     )
 
 
@@ -142,6 +146,24 @@ def test_error_and_expired_rates_compare_with_the_stable_arm() -> None:
     )  # 20 % vs 16 %: within 5 points
     v = judge_window(stats("v2", 0, expired=10), stats("stable", 0), SLO, POLICY)
     assert v.kind == "bad" and "expired rate 20.0% vs stable 0.0%" in v.reasons
+
+
+def test_withheld_answers_are_judged_by_the_quality_rule_not_the_error_rule() -> None:
+    """Issue #28: a canary that withholds or flags more answers than the stable arm is bad for
+    that reason; one withholding as often as the stable is not, and neither is a handful."""
+    v = judge_window(stats("v2", 0, withheld=6, flagged=2), stats("stable", 0), SLO, POLICY)
+    assert v.kind == "bad" and v.reasons == ("withheld/flagged rate 16.0% vs stable 0.0%",)
+    assert v.figures["canary_withheld_rate"] == 0.12 and v.figures["canary_error_rate"] == 0.0
+    same = judge_window(
+        stats("v2", 0, withheld=8), stats("stable", 0, withheld=5, flagged=2), SLO, POLICY
+    )
+    assert same.kind == "good"  # 16 % vs 14 %: a small model withholds on either arm
+    few = GuardPolicy(min_requests=3)  # 2 of 4 answers withheld: 50 %, but only 2
+    assert judge_window(stats("v2", 0, n=4, withheld=2), stats("stable", 0), SLO, few).kind == (
+        "good"
+    )
+    lone = judge_window(stats("v2", 0, withheld=20), stats("stable", 0, n=3), SLO, POLICY)
+    assert lone.kind == "good"  # no stable arm with enough replies to compare with
 
 
 def test_a_slow_stable_arm_does_not_make_the_canary_bad() -> None:

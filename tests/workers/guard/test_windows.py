@@ -84,6 +84,31 @@ def test_a_record_is_counted_once_even_when_read_again() -> None:
     assert c2 is not None and c2["requests"] == 2 and c2["last_offset"] == 8
 
 
+def test_withheld_and_flagged_answers_are_counted_apart_from_service_errors() -> None:
+    """Issue #28: an answer the faithfulness checks withheld is an ERROR reply on the wire, but
+    a quality outcome for the guard; one they sent flagged is an OK reply counted as suspect."""
+    withheld = reply(status="ERROR", metadata={"tolk.faithful": "withheld"})
+    flagged = reply(metadata={"tolk.faithful": "flagged"})
+    retried = reply(metadata={"tolk.faithful": "retried"})  # clean after the retry: not suspect
+    failed = reply(status="ERROR", error="model crashed")
+    obs = [observe(r, record_ts_ms=NOW) for r in (withheld, flagged, retried, failed)]
+    assert [o.quality for o in obs if isinstance(o, Observation)] == ["withheld", "flagged", "", ""]
+    counts: dict[str, Any] | None = None
+    for i, o in enumerate(obs * 2):
+        assert isinstance(o, Observation)
+        counts = add_observation(counts, o, i)
+    merged = merge_counts([counts or {}, counts or {}])
+    s = stats_of(merged, lang="de", arm="v2", start_ms=0, window_ms=30_000)
+    assert (s.requests, s.errors, s.withheld, s.flagged) == (16, 4, 4, 4)
+    assert s.error_rate == 0.25 and s.suspect_rate == 0.5
+    figures = s.figures("canary")
+    assert figures["canary_withheld_rate"] == 0.25 and figures["canary_flagged_rate"] == 0.25
+    # a table value written before these counts existed reads as none withheld
+    old = {"requests": 2, "status": {"ERROR": 2}, "hist": {"300": 2}, "last_offset": 5}
+    s_old = stats_of(old, lang="de", arm="v2", start_ms=0, window_ms=30_000)
+    assert (s_old.errors, s_old.withheld, s_old.flagged) == (2, 0, 0)
+
+
 def test_percentiles_from_the_histogram_are_within_two_percent() -> None:
     counts: dict[str, Any] | None = None
     for i, ms in enumerate(range(10, 1010, 10)):  # 10 .. 1000 ms, 100 values
@@ -172,3 +197,51 @@ def test_core_counts_judges_and_ignores_unknown_arms_and_bad_records() -> None:
         {"stable": 100.0, "v2": 0.0}
     ]
     assert core.tick(list(table.items()), {0: 13, 1: 4}, now_ms=NOW + 9000) == 0  # rolled back
+
+
+def test_a_committed_offset_past_the_restored_counts_is_read_again_and_counted_once() -> None:
+    """Faust committed offset 6 of partition 0 while the changelog held the counts up to offset
+    2 (a SIGKILL lost the rest): `rewind` sends partition 0 back to 3, no window is judged
+    before those replies are read again, and the window's counts end up as if never killed."""
+    window = (NOW / 1000, NOW / 1000 + 1.9)
+    records = [
+        (p, off, encode_result(reply(timings=slow(400.0 + off))))
+        for p, n in ((0, 6), (1, 4))
+        for off in range(n)
+    ]
+
+    def feed(core: GuardCore, table: dict[Any, dict[str, Any]], p: int, off: int, v: bytes) -> None:
+        out = core.on_reply(
+            v, partition=p, offset=off, ts_ms=NOW + 10, current=lambda k: table.get((k, window), {})
+        )
+        if out is not None:
+            table[(out[0], window)] = out[1]
+
+    uninterrupted, _ = _core()
+    whole: dict[Any, dict[str, Any]] = {}
+    for p, off, v in records:
+        feed(uninterrupted, whole, p, off, v)
+
+    killed, _ = _core()
+    restored: dict[Any, dict[str, Any]] = {}
+    for p, off, v in records:
+        if (p, off) in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3)):
+            feed(killed, restored, p, off, v)  # the updates that reached the changelog
+    restarted, _ = _core()
+    restarted.read_upto.update({0: 6, 1: 4})  # the committed offsets, as build_app sets them
+    back = restarted.rewind(list(restored.items()), {0: 6, 1: 4})
+    assert back == {0: 3}  # partition 1's counts reach its committed offset: left alone
+    assert restarted.read_upto == {0: 3, 1: 4}
+    # not caught up on partition 0 until offsets 3..5 are read again
+    assert not restarted.caught_up(NOW + 2000, {0: 6, 1: 4})
+    start = {0: 6, 1: 4} | back  # where faust seeks: the committed offsets, as moved back
+    for p, off, v in records:
+        if off >= start[p]:
+            feed(restarted, restored, p, off, v)
+    assert restarted.caught_up(NOW + 2000, {0: 6, 1: 4})
+    assert restarted.window_counts(list(restored.items()), NOW) == uninterrupted.window_counts(
+        list(whole.items()), NOW
+    )
+    assert restarted.window_counts(list(restored.items()), NOW)[("de", "v2")]["requests"] == 10
+    # a table whose counts are at or past the committed offsets: nothing to read again
+    assert restarted.rewind(list(restored.items()), {0: 6, 1: 3}) == {}
