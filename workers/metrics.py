@@ -56,7 +56,9 @@ class WorkerMetrics(StageMetrics, EngineMetrics):
         ns = namespace
         self.requests_total = Counter(
             "worker_requests_total",
-            "Requests answered, by target language and result status.",
+            "Requests answered, by target language and result status (WITHHELD: an ERROR reply "
+            "whose answer the faithfulness checks kept back, a quality outcome counted apart "
+            "from service errors).",
             ["lang", "status"],
             namespace=ns,
             registry=registry,
@@ -311,7 +313,7 @@ class WorkerMetrics(StageMetrics, EngineMetrics):
             self.tokens_generated_total.labels(lang=lang)
             for lag in self.lag_seconds.values():
                 lag.labels(lang=lang)
-            for status in ("OK", "ERROR", "REJECTED", "EXPIRED"):
+            for status in ("OK", "ERROR", "REJECTED", "EXPIRED", "WITHHELD"):
                 self.requests_total.labels(lang=lang, status=status)
 
     def observe_lag(self, name: str, lang: str, seconds: float) -> None:

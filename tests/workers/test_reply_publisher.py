@@ -7,6 +7,7 @@ delivery report, and a failed delivery must never mark the record done as answer
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,3 +299,26 @@ def test_token_rate_counts_only_the_window() -> None:
     assert s.metric("tolk_worker_tokens_per_second") == pytest.approx(2 / 5.0)
     s.publisher.update_token_rate(time.monotonic() + 6.0)  # past the window
     assert s.metric("tolk_worker_tokens_per_second") == 0.0
+
+
+def test_a_withheld_answer_is_counted_apart_from_service_errors() -> None:
+    """Issue #28: the reply is an ERROR on the wire, but the worker's metrics count it WITHHELD
+    (a quality outcome, in tolk_faithful_outcomes_total), not as a service error."""
+
+    s = make_setup()
+    withheld = dataclasses.replace(
+        ok_result("w"),
+        text="",
+        finish_reason=FinishReason.WITHHELD,
+        error="unfaithful translation withheld: leak (retry: suspect too)",
+    )
+    failed = dataclasses.replace(ok_result("f"), text="", finish_reason=FinishReason.ERROR)
+    s.publisher.answer_from_engine(inflight(record("w", offset=1)), withheld, model_version="m")
+    s.publisher.answer_from_engine(inflight(record("f", offset=2)), failed, model_version="m")
+    s.deliver()
+    replies = {decode_result(v)["request_id"]: decode_result(v) for _k, v in s.replies() if v}
+    assert replies["w"]["status"] == "ERROR" and replies["f"]["status"] == "ERROR"
+    assert s.metric("tolk_worker_requests_total", lang="de", status="WITHHELD") == 1
+    assert s.metric("tolk_worker_requests_total", lang="de", status="ERROR") == 1
+    assert s.metric("tolk_worker_errors_total", lang="de", reason="engine_error") == 1
+    assert s.metric("tolk_worker_errors_total", lang="de", reason="engine_withheld") == 0

@@ -50,7 +50,7 @@ from typing import Any
 
 from schemas.codec import encode_result
 from topics.catalog import DEAD_LETTERS
-from workers.engine.types import GenerationResult
+from workers.engine.types import FinishReason, GenerationResult
 from workers.fairness.policy import LanguagePolicy
 from workers.kafka.config import ReplyTopicChecker
 from workers.kafka.records import ConsumedRecord, InFlight
@@ -203,8 +203,9 @@ class ReplyPublisher:
         status = reply["status"]
         timings = reply["timings"]
         m = self.metrics
-        m.requests_total.labels(lang=lang, status=status).inc()
-        if status != "OK":
+        withheld = result.finish_reason is FinishReason.WITHHELD  # quality, not a service error
+        m.requests_total.labels(lang=lang, status="WITHHELD" if withheld else status).inc()
+        if status != "OK" and not withheld:
             m.errors_total.labels(lang=lang, reason=f"engine_{result.finish_reason.value}").inc()
         m.tokens_generated_total.labels(lang=lang).inc(result.tokens_out)
         self._tokens_window.append((time.monotonic(), result.tokens_out))
