@@ -113,6 +113,7 @@ PURE_MODULES = (
     "workers/stages/faithful/language.py",
     "workers/stages/faithful/numbers.py",
     "workers/stages/faithful/rules.py",
+    "workers/stages/faithful/spans.py",
     "workers/stages/protected/rules.py",
     "workers/kafka/engine_retries.py",
 )

@@ -200,9 +200,7 @@ class ReplyPublisher:
             model_version=model_version,
             now_ms=self._now_ms(),
         )
-        status = reply["status"]
-        timings = reply["timings"]
-        m = self.metrics
+        status, timings, m = reply["status"], reply["timings"], self.metrics
         withheld = result.finish_reason is FinishReason.WITHHELD  # quality, not a service error
         m.requests_total.labels(lang=lang, status="WITHHELD" if withheld else status).inc()
         if status != "OK" and not withheld:

@@ -27,6 +27,9 @@ a cap stops them. Each has a detector here, and `check` runs them all:
 - `invented_numbers` (issue #28, `workers/stages/faithful/numbers.py`): numbers in digits in
   the translation that no number of the source supports ("we can offer compensation" -> "eine
   120€-Entschädigung"), after normalising separators, clock times and number words.
+- `dropped_spans` (issue #28, `workers/stages/faithful/spans.py`): placeholders, links, e-mail
+  addresses and ids of the source missing from the translation ("Hi #NAME#, thanks for
+  contacting #PRS_ORG#." -> "Hallo, #NAME#, ich freue mich auf dich!").
 - `language_problem` (issue #28, `workers/stages/faithful/language.py`): the translation is
   confidently in the source language ("untranslated") or a third one ("wrong_language"), by
   lingua among the pair's and a few common languages; short texts are never called. Only when
@@ -56,6 +59,7 @@ from typing import Any
 
 from workers.stages.faithful.language import language_problem
 from workers.stages.faithful.numbers import invented_numbers
+from workers.stages.faithful.spans import dropped_spans
 
 __all__ = [
     "COVERAGE",
@@ -195,6 +199,7 @@ class Check:
     ngram_loop: bool = False
     length_guard: bool = False  # generation stopped at the length cap
     invented_numbers: tuple[str, ...] = ()  # digits the source does not hold (numbers.py)
+    dropped_spans: tuple[str, ...] = ()  # placeholders, links, ids it lost (spans.py)
     language: str | None = None  # "untranslated" / "wrong_language" (language.py)
 
     @property
@@ -211,6 +216,8 @@ class Check:
             names.append("length_guard")
         if self.invented_numbers:
             names.append("number")
+        if self.dropped_spans:
+            names.append("dropped")
         if self.language is not None:
             names.append(self.language)
         return tuple(names)
@@ -239,6 +246,7 @@ def check(
         ngram_loop=ngram_loop(source, translation),
         length_guard=length_guard,
         invented_numbers=invented_numbers(source, translation),
+        dropped_spans=dropped_spans(source, translation),
         language=(
             language_problem(translation, source_lang, target_lang, languages, source)
             if source_lang

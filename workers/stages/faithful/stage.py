@@ -95,6 +95,7 @@ _SEVERITY = {
     "wrong_language": 4,
     "untranslated": 3,
     "number": 3,
+    "dropped": 3,
     "loop": 2,
     "length_guard": 2,
     "ratio": 1,
