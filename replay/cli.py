@@ -35,7 +35,7 @@ def _csv(value: str | None) -> tuple[str, ...]:
 def run(
     log: Annotated[Path | None, typer.Option(help="The log; default: BConTrasT dev.")] = None,
     log_format: Annotated[
-        str, typer.Option("--format", help="bcontrast | wmt-csv | jsonl (docs/REPLAY.md).")
+        str, typer.Option("--format", help="bcontrast | wmt-csv | jsonl | xsid (docs/REPLAY.md).")
     ] = "bcontrast",
     languages: Annotated[
         str | None, typer.Option("--languages", "-l", help="Target languages to replay.")

@@ -1,4 +1,4 @@
-"""Readers of conversation logs for the replay job: one normalized record, three formats.
+"""Readers of conversation logs for the replay job: one normalized record, four formats.
 
 Every reader turns its format into `ReplayRecord`s (one turn of one conversation: who said
 what, in which language, to be translated into which) and reports each row it cannot use as a
@@ -25,6 +25,8 @@ line must still replay. The formats:
   `timestamp` (epoch milliseconds or ISO 8601), `source_lang`, `target_lang`, `text`, optional
   `reference`, `intent`, `sender`. In a conversation either every row has a `turn`, or the
   turns are numbered by timestamp (ties in file order).
+- `xsid`: xSID's `<lang>.valid.conll` files of voice-assistant commands with their intent
+  labels, in `replay/logs_xsid.py` (its notes say how a file becomes records).
 
 A row is a problem when its language is not one of `known_languages` (or source equals
 target), its text is empty, its bytes are not UTF-8, its text carries U+FFFD replacement
@@ -43,8 +45,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-LogFormat = Literal["bcontrast", "wmt-csv", "jsonl"]
-LOG_FORMATS: tuple[LogFormat, ...] = ("bcontrast", "wmt-csv", "jsonl")
+LogFormat = Literal["bcontrast", "wmt-csv", "jsonl", "xsid"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("bcontrast", "wmt-csv", "jsonl", "xsid")
 # The languages the service knows (the workers' default set); a row in another is a problem.
 KNOWN_LANGUAGES: frozenset[str] = frozenset({"en", "de", "fr", "es", "it"})
 # A wmt-csv field -> the header names that give it, the first present wins (module notes).
@@ -343,7 +345,18 @@ def _with_turn(record: ReplayRecord, turn: int) -> ReplayRecord:
     return replace(record, turn=turn)
 
 
-READERS = {"bcontrast": read_bcontrast, "wmt-csv": read_wmt_csv, "jsonl": read_jsonl}
+def _read_xsid(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
+    from replay.logs_xsid import read_xsid  # its own module (it builds on this one's types)
+
+    return read_xsid(path, known)
+
+
+READERS = {
+    "bcontrast": read_bcontrast,
+    "wmt-csv": read_wmt_csv,
+    "jsonl": read_jsonl,
+    "xsid": _read_xsid,
+}
 
 
 def iter_log(

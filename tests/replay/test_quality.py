@@ -9,6 +9,7 @@ import pytest
 from replay import quality
 from replay import report as report_mod
 from replay.datasets import bcontrast, data_file
+from replay.logs import read_log
 from replay.stats import WORSE
 from tests.replay.synthetic_run import arm_replies, write_run
 
@@ -41,18 +42,10 @@ def test_empty_and_truncated():
 
 
 def _xsid(n: int) -> list[dict[str, str]]:
-    """German xSID commands with their English text and intent label."""
-    rows, cur = [], {}
-    for line in data_file("xsid/de.valid.conll").open(encoding="utf-8"):
-        if line.startswith("# text-en ="):
-            cur["en"] = line.split("=", 1)[1].strip()
-        elif line.startswith("# text ="):
-            cur["de"] = line.split("=", 1)[1].strip()
-        elif line.startswith("# intent ="):
-            cur["intent"] = line.split("=", 1)[1].strip()
-            rows.append(cur)
-            cur = {}
-    return rows[:n]
+    """German xSID commands with their English text and intent label, as `tolk replay run
+    --format xsid` reads them (replay/logs_xsid.py)."""
+    records = read_log(data_file("xsid/de.valid.conll"), "xsid").records[:n]
+    return [{"de": r.text, "en": r.reference or "", "intent": r.intent or ""} for r in records]
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""replay.logs: the three log readers on the real BConTrasT data and on small crafted files.
+"""replay.logs: the four log readers on the real BConTrasT and xSID data and on crafted files.
 
 Every reader must turn bad rows (unknown language, empty text, bad encoding, malformed or
 duplicate rows) into problems that name the row, and go on with the rest: a broken line in a
@@ -200,3 +200,61 @@ def test_unknown_format_and_timestamp_errors():
     with pytest.raises(ValueError):
         parse_timestamp_ms(True)
     assert parse_timestamp_ms("1700000000000") == 1_700_000_000_000
+
+
+def test_xsid_translated_file_gives_commands_to_english_with_intents():
+    """Issue #28: replaying xSID carries its real intent labels to the report."""
+    contents = read_log(data_file("xsid/de.valid.conll"), "xsid")
+    assert contents.problems == [] and len(contents.records) == 300
+    first = contents.records[0]
+    assert (first.source_lang, first.target_lang, first.text, first.reference, first.intent) == (
+        "de",
+        "en",
+        "Regnet es heute?",
+        "Is it going to rain today?",
+        "weather/find",
+    )
+    assert len({r.intent for r in contents.records}) >= 10
+    assert len({r.conversation_id for r in contents.records}) == 300
+
+
+def test_xsid_english_file_pairs_with_the_translated_files_beside_it(tmp_path):
+    contents = read_log(data_file("xsid/en.valid.conll"), "xsid")
+    assert contents.problems == []
+    targets = {r.target_lang for r in contents.records}
+    assert targets == {"de", "it"} and len(contents.records) == 600
+    it = next(r for r in contents.records if r.target_lang == "it")
+    assert (it.text, it.reference, it.intent) == (
+        "Is it going to rain today?",
+        "Pioverà oggi?",
+        "weather/find",
+    )
+    alone = tmp_path / "en.valid.conll"
+    alone.write_bytes(data_file("xsid/en.valid.conll").read_bytes())
+    [problem] = read_log(alone, "xsid").problems
+    assert "no translated xSID file" in problem.reason
+
+
+def test_xsid_bad_blocks_are_problems(tmp_path):
+    (tmp_path / "en.valid.conll").write_text(
+        "# text = Is it going to rain today?\n# intent = weather/find\n1\tIs\n\n"
+        "# text = set an alarm\n# intent = alarm/set\n1\tset\n\n"
+        "# text = no label here\n1\tno\n\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "de.valid.conll").write_text(
+        "# id = 1\n# text-en = Is it going to rain today?\n# text = Regnet es heute?\n"
+        "# intent = weather/find\n1\tRegnet\n\n"
+        "# id = 2\n# text-en = something else\n# text = Stell einen Wecker\n"
+        "# intent = alarm/set\n1\tStell\n\n"
+        "# id = 3\n# text-en = no label here\n# text = \n# intent = x\n1\tkein\n",
+        encoding="utf-8",
+    )
+    en = read_log(tmp_path / "en.valid.conll", "xsid")
+    assert [r.reference for r in en.records] == ["Regnet es heute?"]
+    assert [p.row for p in en.problems] == ["en.valid.conll:5->de", "en.valid.conll:9->de"]
+    assert "no translation" in en.problems[0].reason and "malformed" in en.problems[1].reason
+    de = read_log(tmp_path / "de.valid.conll", "xsid")
+    assert len(de.records) == 2 and [p.row for p in de.problems] == ["de.valid.conll:13"]
+    [wrong] = read_log(tmp_path / "commands.txt", "xsid").problems
+    assert "not an xSID file" in wrong.reason
