@@ -1,7 +1,7 @@
 """replay.job on the real broker: BConTrasT turns replayed in mirror mode to two simulated
 arms (`tests/replay/fake_arms.py`), every request answered by each arm, conversation order
-kept, send lag measured, duplicates and a missing arm counted, and a run interrupted after N
-sends resumed without sending anything twice.
+kept, send lag measured, duplicates and a missing arm counted, a run interrupted after N
+sends resumed without sending anything twice, and xSID commands replayed with their intents.
 
 Each test uses its own topic prefix, so the shared broker's other users never see these
 requests and the fake arms never see theirs.
@@ -261,3 +261,34 @@ def test_cli_run_prints_the_summary(kafka_bootstrap, prefix, tmp_path):
     assert summary["sent"] == 6 and summary["answered"] == {"A": 6}
     requests = requests_of(tmp_path / "cli-run")
     assert {r["target_lang"] for r in requests} == {"en"}
+
+
+def test_xsid_replay_carries_real_intent_labels_to_the_report(kafka_bootstrap, prefix, tmp_path):
+    """Issue #28: `--format xsid` replays xSID's German commands into English with their real
+    intent labels, and the report judges intent agreement on them."""
+    from replay import report as report_mod
+    from replay.datasets import data_file
+
+    a, b = arms(kafka_bootstrap, prefix, "AB")
+    cfg = config(
+        kafka_bootstrap,
+        prefix,
+        tmp_path,
+        log_path=data_file("xsid/de.valid.conll"),
+        log_format="xsid",
+        limit=40,
+    )
+    try:
+        summary = run_replay(cfg, echo=print)
+    finally:
+        a.stop()
+        b.stop()
+    assert summary["finished"] and summary["sent"] == 40 and summary["problems"] == 0
+    requests = requests_of(tmp_path / "run")
+    assert all(r["intent"] and r["reference"] and r["target_lang"] == "en" for r in requests)
+    assert len({r["intent"] for r in requests}) >= 2
+    report = report_mod.build_report(tmp_path / "run", draws=200)
+    group = report["groups"]["language en"]
+    for arm in ("A", "B"):
+        assert group["arms"][arm]["intent_agreement_n"] == 40
+        assert 0.0 <= group["arms"][arm]["intent_agreement"] <= 1.0
