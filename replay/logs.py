@@ -40,15 +40,23 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from replay.log_records import (
+    KNOWN_LANGUAGES,
+    LogContents,
+    LogItem,
+    Problem,
+    ReplayRecord,
+    RowChecker,
+)
+from replay.logs_xsid import read_xsid
+
 LogFormat = Literal["bcontrast", "wmt-csv", "jsonl", "xsid"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("bcontrast", "wmt-csv", "jsonl", "xsid")
-# The languages the service knows (the workers' default set); a row in another is a problem.
-KNOWN_LANGUAGES: frozenset[str] = frozenset({"en", "de", "fr", "es", "it"})
 # A wmt-csv field -> the header names that give it, the first present wins (module notes).
 CSV_COLUMN_NAMES: dict[str, tuple[str, ...]] = {
     "doc_id": ("doc_id",),
@@ -61,82 +69,6 @@ CSV_COLUMN_NAMES: dict[str, tuple[str, ...]] = {
     "timestamp": ("timestamp",),
 }
 CSV_REQUIRED = ("doc_id", "source_language", "target_language", "text")
-REPLACEMENT_CHAR = "\ufffd"
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayRecord:
-    """One turn of a logged conversation, normalized."""
-
-    conversation_id: str
-    turn: int  # position in the conversation (the order replay keeps)
-    source_lang: str
-    target_lang: str
-    text: str  # what to translate
-    reference: str | None = None  # a human translation, when the log has one
-    intent: str | None = None  # an intent label (xSID-style), when the log has one
-    timestamp_ms: int | None = None  # when it was said (epoch ms), when the log says
-    sender: str | None = None  # "customer", "agent", ...
-    row: str = ""  # where it came from: "file:line" or "file:conversation/turn"
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """A log row that was skipped, and why."""
-
-    row: str
-    reason: str
-
-
-@dataclass(slots=True)
-class LogContents:
-    """Everything one reader produced: the usable records and the skipped rows."""
-
-    records: list[ReplayRecord] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-
-
-LogItem = ReplayRecord | Problem
-
-
-def text_problem(text: str) -> str | None:
-    """Why a text cannot be replayed (empty, damaged encoding), or None."""
-    if not text.strip():
-        return "empty text"
-    if REPLACEMENT_CHAR in text:
-        return "bad encoding: U+FFFD replacement characters in the text"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "bad encoding: unpaired surrogates in the text"
-    return None
-
-
-def language_problem(source: str, target: str, known: Collection[str]) -> str | None:
-    for what, lang in (("source", source), ("target", target)):
-        if lang not in known:
-            return f"unknown {what} language {lang!r} (known: {', '.join(sorted(known))})"
-    if source == target:
-        return f"source and target language are both {source!r}"
-    return None
-
-
-class _Checker:
-    """Shared row checks: languages, text, duplicate (conversation, turn) pairs."""
-
-    def __init__(self, known: Collection[str]) -> None:
-        self.known = frozenset(known)
-        self.seen: set[tuple[str, int]] = set()
-
-    def check(self, record: ReplayRecord) -> LogItem:
-        reason = language_problem(record.source_lang, record.target_lang, self.known)
-        reason = reason or text_problem(record.text)
-        if reason is None and (record.conversation_id, record.turn) in self.seen:
-            reason = f"duplicate turn {record.turn} of conversation {record.conversation_id!r}"
-        if reason is not None:
-            return Problem(record.row, reason)
-        self.seen.add((record.conversation_id, record.turn))
-        return record
 
 
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str | None]]:
@@ -179,7 +111,7 @@ def read_bcontrast(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iter
     if not isinstance(dialogues, dict):
         yield Problem(str(path), "not a BConTrasT file (expected an object of conversations)")
         return
-    checker = _Checker(known)
+    checker = RowChecker(known)
     for conv_id, turns in dialogues.items():
         if not isinstance(turns, list):
             yield Problem(f"{path.name}:{conv_id}", "conversation is not a list of turns")
@@ -241,7 +173,7 @@ def read_wmt_csv(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterat
         column = columns.get(name)
         return (values.get(column) or "") if column is not None else ""
 
-    checker = _Checker(known)
+    checker = RowChecker(known)
     next_turn: dict[str, int] = {}
     for values in reader:
         yield from bad_lines
@@ -324,7 +256,7 @@ def read_jsonl(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator
             yield Problem(row, f"malformed row: {exc}")
     numbered_convs = {r.conversation_id for r, has_turn in parsed if has_turn}
     by_time: dict[str, list[ReplayRecord]] = {}
-    checker = _Checker(known)
+    checker = RowChecker(known)
     out: list[LogItem] = []
     for record, has_turn in parsed:
         if has_turn:
@@ -345,17 +277,11 @@ def _with_turn(record: ReplayRecord, turn: int) -> ReplayRecord:
     return replace(record, turn=turn)
 
 
-def _read_xsid(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[LogItem]:
-    from replay.logs_xsid import read_xsid  # its own module (it builds on this one's types)
-
-    return read_xsid(path, known)
-
-
 READERS = {
     "bcontrast": read_bcontrast,
     "wmt-csv": read_wmt_csv,
     "jsonl": read_jsonl,
-    "xsid": _read_xsid,
+    "xsid": read_xsid,
 }
 
 

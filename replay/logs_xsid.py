@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from replay.logs import KNOWN_LANGUAGES, LogItem, Problem, ReplayRecord, _Checker
+from replay.log_records import KNOWN_LANGUAGES, LogItem, Problem, ReplayRecord, RowChecker
 
 __all__ = ["read_xsid", "xsid_blocks"]
 
@@ -59,7 +59,7 @@ def read_xsid(path: Path, known: Collection[str] = KNOWN_LANGUAGES) -> Iterator[
     if not path.name.endswith(SUFFIX):
         yield Problem(str(path), f"not an xSID file (expected <lang>{SUFFIX})")
         return
-    lang, checker = _lang_of(path), _Checker(known)
+    lang, checker = _lang_of(path), RowChecker(known)
     try:
         blocks = list(xsid_blocks(path))
     except UnicodeDecodeError as exc:

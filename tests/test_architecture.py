@@ -411,8 +411,8 @@ NEW_LAYOUT_RULES: dict[str, tuple[str, ...]] = {
 NEW_LAYOUT_ALLOWED: dict[str, tuple[str, ...]] = {
     "workers/kafka": ("workers.engine.types", "workers.engine.deadlines"),  # pure: records, rule
     # a TM built from replay logs reads them with the replay job's own reader (one definition of
-    # the log format and its checks); still to do: those checks in a module both import
-    "workers/tm": ("replay.logs",),
+    # the log format) and checks rows with its checks (replay/log_records.py)
+    "workers/tm": ("replay.logs", "replay.log_records"),
     "workers/client": ("workers.kafka.config",),  # check_broker: one connection check
     "workers/settings.py": ("workers.stages.context.rules",),  # the prompt layouts' names (pure)
 }

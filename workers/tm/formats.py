@@ -27,7 +27,7 @@ one broken unit must still import, and the operator must learn which line to fix
 The texts are normalized as the exact-match cache normalizes them
 (`workers.text_normal.normalize_text`, as the cache key: NFC, whitespace runs collapsed, ends
 stripped); the
-checks on languages and text are the replay log's (`replay.logs.language_problem`,
+checks on languages and text are the replay log's (`replay.log_records.language_problem`,
 `text_problem`: unknown language, source equals target, empty text, U+FFFD or unpaired
 surrogates), so a row the replay job would refuse is refused here too, for the same reason.
 """
@@ -40,14 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from replay.logs import (
+from replay.log_records import (
     KNOWN_LANGUAGES,
     Problem,
     ReplayRecord,
     language_problem,
-    read_jsonl,
     text_problem,
 )
+from replay.logs import read_jsonl
 from workers.text_normal import normalize_text
 
 __all__ = [
