@@ -78,7 +78,7 @@ class GuardPolicy:
     max_rate_increase: float = 0.05  # error / expired rate over the stable's by more: bad
     # withheld + flagged rate over the stable's by more, and at least min_suspect of them: bad
     max_suspect_increase: float = 0.10
-    min_suspect: int = 3
+    min_suspect: int = 5
     max_latency_ratio: float = 1.5  # canary P95 (P99 past the SLO) vs the stable's
     latency_slack_ms: float = 250.0  # added to the ratio bound (small latencies are noisy)
 

@@ -158,9 +158,12 @@ def test_withheld_answers_are_judged_by_the_quality_rule_not_the_error_rule() ->
         stats("v2", 0, withheld=8), stats("stable", 0, withheld=5, flagged=2), SLO, POLICY
     )
     assert same.kind == "good"  # 16 % vs 14 %: a small model withholds on either arm
-    few = GuardPolicy(min_requests=3)  # 2 of 4 answers withheld: 50 %, but only 2
-    assert judge_window(stats("v2", 0, n=4, withheld=2), stats("stable", 0), SLO, few).kind == (
+    few = GuardPolicy(min_requests=3)  # a small window: 4 of 4 withheld, but only 4 (< 5)
+    assert judge_window(stats("v2", 0, n=4, withheld=4), stats("stable", 0), SLO, few).kind == (
         "good"
+    )
+    assert judge_window(stats("v2", 0, n=5, withheld=5), stats("stable", 0), SLO, few).kind == (
+        "bad"
     )
     lone = judge_window(stats("v2", 0, withheld=20), stats("stable", 0, n=3), SLO, POLICY)
     assert lone.kind == "good"  # no stable arm with enough replies to compare with
