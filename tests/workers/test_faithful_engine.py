@@ -277,3 +277,18 @@ def test_readers_of_replies_use_the_same_keys() -> None:
         }
     )
     assert reply.withheld == "Hallo"
+
+
+def test_a_detector_that_raises_does_not_lose_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a check (a race time "4:41.30" once crashed the number check) must not leave
+    the request unanswered: the answer goes out unchecked, counted as check_failed."""
+    import workers.stages.faithful.stage as stage_mod
+
+    def broken(*_a: object, **_k: object) -> object:
+        raise ValueError("invalid literal for int() with base 10: '41.30'")
+
+    monkeypatch.setattr(stage_mod, "check", broken)
+    engine, inner = make(lambda c: ("Zeit 4:41.30", FinishReason.STOP))
+    result = translate(engine, "time 4:41.30")
+    assert result.ok and result.text == "Zeit 4:41.30" and len(inner.calls) == 1
+    assert engine.checks == {("de", "check_failed"): 1} and engine.outcomes == {}

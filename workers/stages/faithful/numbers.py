@@ -107,10 +107,11 @@ def _token_values(token: str) -> set[float]:
     """Every value a numeric token may mean (see the module docstring)."""
     if ":" in token:  # a time h:mm (also 12 h <-> 24 h)
         parts = token.split(":")
-        if len(parts) == 2 and parts[0] and parts[1]:
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
             h, m = int(parts[0]), int(parts[1])
             return {_minutes(h, m), _minutes(h + 12, m), _minutes(h - 12, m)}
-        return {float(int(p)) for p in parts if p}
+        # h:mm:ss, a race time m:ss.hh ("4:41.30"): every digit group is a value
+        return {float(int(p)) for p in re.split(r"[:., ]", token) if p}
     groups = re.split(r"[., ]", token)
     if len(groups) == 1:
         return {float(int(token))}
@@ -178,9 +179,11 @@ def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
 
 
 def _supported(token: str, support: set[float]) -> bool:
+    parts = [p for p in re.split(r"[.,: ]", token) if p]
+    if ":" in token and len(parts) > 2:  # h:mm:ss, a race time m:ss.hh: every part, not one
+        return all(float(int(p)) in support for p in parts)
     if _token_values(token) & support:
         return True
     # a date or a code written with other separators ("05/12/2024" -> "12.05.2024"): every
     # part is a number of the source
-    parts = [p for p in re.split(r"[.,: ]", token) if p]
     return len(parts) > 1 and all(float(int(p)) in support for p in parts)

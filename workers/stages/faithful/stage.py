@@ -53,6 +53,7 @@ thread: a few string comparisons, one lingua call (~1 ms) and at most one submit
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -71,6 +72,8 @@ from workers.engine.types import (
 from workers.stages.faithful.rules import Check, LengthCaps, check
 from workers.stages.retry import RetryJob
 from workers.stages.wrapper import EngineWrapper, merged_runs
+
+log = logging.getLogger("tolk.faithful")
 
 __all__ = [
     "CANDIDATE_KEY",
@@ -173,15 +176,20 @@ class FaithfulEngine(EngineWrapper):
     def _check(self, job: RetryJob, result: GenerationResult) -> Check:
         hit_guard = job.state.guard_binding and result.finish_reason is FinishReason.LENGTH
         r = job.request
-        return check(
-            r.text,
-            result.text,
-            self.examples,
-            r.target_lang,
-            length_guard=hit_guard,
-            source_lang=r.source_lang,
-            languages=self.languages,  # the engine's: more candidates of the language check
-        )
+        try:
+            return check(
+                r.text,
+                result.text,
+                self.examples,
+                r.target_lang,
+                length_guard=hit_guard,
+                source_lang=r.source_lang,
+                languages=self.languages,  # the engine's: more candidates of the language check
+            )
+        except Exception:  # a detector's bug must not lose the answer: it goes out unchecked
+            log.exception("faithfulness checks failed on %s: answered unchecked", r.request_id)
+            self._count("checks", r.target_lang, "check_failed")
+            return Check()
 
     def _on_first(self, job: RetryJob, result: GenerationResult) -> None:
         if not result.ok:
