@@ -35,6 +35,8 @@ with it. Greedy decoding: the same command gives the same figures on the same ma
     python -m bench.faithful --models gemma3-270m --limit 100 --variants \\
         form:support8,form:short_mix8,form:short_mix4,form:short_mix8_strict,form:zero_shot
 
+`--flores-digits N` adds up to N FLORES-200 devtest sentences per pair (en->de/fr/es/it,
+de->en, fr->en) that hold a digit (subset `flores`): the number check's sample (issue #28).
 `--pairs en-fr` keeps only some pairs (a prompt change that touches one target language);
 `--stored before=A.json,after=B.json` reports variants an earlier run measured on the same
 items instead of running them again: on a shared machine the long `before` can run while the
@@ -56,7 +58,7 @@ from typing import Any
 import torch
 
 from bench._common import machine_info, parse_csv, write_json
-from replay.datasets import bcontrast, tatoeba_pairs
+from replay.datasets import bcontrast, flores, tatoeba_pairs
 from replay.quality import chrf_statistics
 from replay.stats import chrf_from_sums, paired_bootstrap
 from workers import reply_metadata
@@ -76,7 +78,7 @@ RAW_LOW, RAW_HIGH = 0.3, 3.0  # the issue's outlier bounds on the character rati
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    subset: str  # "bcontrast" or "other"
+    subset: str  # "bcontrast", "other" or "flores"
     source: str
     source_lang: str
     target_lang: str
@@ -87,7 +89,10 @@ class Item:
         return f"{self.source_lang}-{self.target_lang}"
 
 
-def benchmark_items(limit: int) -> list[Item]:
+FLORES_PAIRS = (("en", "de"), ("en", "fr"), ("en", "es"), ("en", "it"), ("de", "en"), ("fr", "en"))
+
+
+def benchmark_items(limit: int, flores_digits: int = 0) -> list[Item]:
     items = [
         Item("bcontrast", u.source, u.source_lang, u.target_lang, u.target)
         for u in bcontrast("dev")
@@ -98,6 +103,13 @@ def benchmark_items(limit: int) -> list[Item]:
         for en, text in tatoeba_pairs(other)[:per_pair]:
             source, ref = (en, text) if src == "en" else (text, en)
             items.append(Item("other", source, src, tgt, ref))
+    for src, tgt in FLORES_PAIRS if flores_digits else ():
+        rows = [
+            (a, b)
+            for a, b in zip(flores(src), flores(tgt), strict=True)
+            if any(map(str.isdigit, a))
+        ]
+        items += [Item("flores", a, src, tgt, b) for a, b in rows[:flores_digits]]
     return items
 
 
@@ -291,9 +303,10 @@ def run(
     threads: int,
     pairs: list[str] | None = None,
     stored: list[str] | None = None,
+    flores_digits: int = 0,
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    items = [it for it in benchmark_items(limit) if not pairs or it.pair in pairs]
+    items = [it for it in benchmark_items(limit, flores_digits) if not pairs or it.pair in pairs]
     out: dict[str, Any] = {
         "machine": machine_info(threads),
         "commit": _commit(),
@@ -365,9 +378,18 @@ def main() -> None:
         default=None,
         help="VARIANT=PATH,...: that variant's answers from an earlier run's JSON, not run again",
     )
+    ap.add_argument("--flores-digits", type=int, default=0, help="FLORES sentences with a digit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = run(args.models, args.variants, args.limit, args.threads, args.pairs, args.stored)
+    result = run(
+        args.models,
+        args.variants,
+        args.limit,
+        args.threads,
+        args.pairs,
+        args.stored,
+        args.flores_digits,
+    )
     write_json(result, args.out)
     brief = {
         m: {v: s for v, s in r["variants"].items()} | {"seconds": r["seconds"]}

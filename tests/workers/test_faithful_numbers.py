@@ -18,6 +18,9 @@ INVENTED = [
     ("Your refund is on its way.", "Ihre Rückerstattung von 49,99 € ist unterwegs.", ("49,99",)),
     ("Order A-12345 has shipped", "Bestellung A-12346 wurde verschickt", ("12346",)),
     ("a run time of 4:41.30", "eine Zeit von 4:42.30", ("4:42.30",)),  # FLORES: m:ss.hh
+    ("at 11:35 pm", "am 11. Mai 2019", ("11", "2019")),  # an hour is no date's day
+    ("the 1980s", "im Jahr 80", ("80",)),  # a year's two digits only as a decade ('80)
+    ("I went there", "Ich war 1 Mal dort", ("1",)),  # "I" is no Roman numeral
     ("at 12:30:45", "um 12:31:45 Uhr", ("12:31:45",)),
 ]  # fmt: skip
 
@@ -28,6 +31,19 @@ FAITHFUL = [
         "un temps combiné de 4:41.30, soit 2:11.60 minutes de plus",
     ),
     ("at 12:30:45", "um 12:30:45 Uhr"),
+    # the false alarms of the first FLORES sample (2026-12-03): clock times in French notation,
+    # a formula, "1 000e", a decade
+    ("Between 10:00-11:00 pm MDT, a fire", "Entre 10h00-11h00 heure locale, un incendie"),
+    ("Fire crews doused the fire by 11:35 pm.", "Les pompiers ont éteint le feu vers 11 heures."),
+    ("shook western Montana at 10:08 p.m. on Monday", "à 10 h 08 p.m. le lundi"),
+    ("cut carbon dioxide emissions", "die CO2-Emissionen senken"),
+    ("His 1,000th stamp", "Son 1 000e timbre"),
+    ("During the 1980s he worked", "Durante gli anni '80 lavorò"),
+    # and of the second (held-out) one: no-break spaces, Roman numerals, a hyphenated fraction
+    ("long de 6\u202f387 km (3\u202f980 miles)", "6 387 km (3980 miles) long"),
+    ("de 5\u00a0000 ans av. J.-C.", "from 5000 years ago"),
+    ("du XIe au XIIIe siècle", "in the early 13th century"),
+    ("about one-third is covered", "circa il 1/3 è coperto"),
     ("It costs €15.", "Es kostet 15,00 €."),
     ("The total is EUR 1,000.50", "Die Summe beträgt 1.000,50 EUR"),
     ("We have 1 000 units", "Wir haben 1000 Stück"),

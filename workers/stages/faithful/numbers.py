@@ -6,18 +6,22 @@ compensation" -> "... eine 120€-Gutschrift"), a time or a count that nobody sa
 that no number of the source supports, after normalising the forms a faithful translation may
 change:
 
-- separators: "1,000" / "1.000" / "1 000" and "3.5" / "3,5" are read both ways (thousands and
+- separators: "1,000" / "1.000" / "1 000" (also with the no-break spaces of French typography)
+  and "3.5" / "3,5" are read both ways (thousands and
   decimal), so "EUR 1,000.50" supports "1.000,50 EUR"; zero cents drop ("15,00 €" = "€15");
-- times: "7:10pm" supports "19:10" and "7.10"; an hour followed by a clock word ("7pm", "seven
-  o'clock", "19 Uhr") also supports the same hour on the other 12-hour clock and as h:00 (a
-  plain "3 items" does not support "15");
+- times: "7:10pm" supports "19:10" and "7.10", and its hour and minutes written as a clock
+  time (French "10 h 08", "10h00", "11 heures" for "11:35 pm"); an hour followed by a clock
+  word ("7pm", "seven o'clock", "19 Uhr") also supports the same hour on the other 12-hour
+  clock and as h:00 (a plain "3 items" does not support "15");
+- a year supports its last two digits after an apostrophe ("the 1980s" -> "gli anni '80");
 - number words of the source, in the languages the worker serves (en, de, fr, es, it, pt, nl):
   "fifteen" / "fünfzehn" / "quinze" support 15, "first" supports 1 ("1." in German), "a
   dozen" 12, "half" 0.5; tens and units written as one word or with a hyphen ("twenty-five",
-  "fünfundzwanzig", "vijfentwintig") too;
+  "fünfundzwanzig", "vijfentwintig") too, and each part of a hyphenated word ("one-third");
+- Roman numerals of the source ("XIIIe siècle" supports "13th century", "siglo XV" 15);
 - a token whose every part is a number of the source is supported (a date written with other
   separators, "05/12/2024" -> "12.05.2024"); digit runs inside identifiers ("A-12345") are
-  numbers like any other.
+  numbers like any other, but not digits glued to a letter ("CO2" for "carbon dioxide").
 
 Only digits in the *translation* are checked: a number written as a word there ("ein", "one")
 is too often an article or a pronoun to call invented. The result is the offending tokens as
@@ -33,7 +37,19 @@ from functools import lru_cache
 __all__ = ["invented_numbers", "number_values"]
 
 # a run of digits with inner separators: 15, 15,00, 1.000, 1 000, 7:10, 3.5
-_NUMBER = re.compile(r"\d+(?:(?:[.,:]|(?<=\d) (?=\d{3}\b))\d+)*")
+# not glued to a letter before it (a formula or a model name: "CO2", "MP3"); "1 000e" reads 1000
+_NUMBER = re.compile(r"(?<![^\W_])\d+(?:(?:[.,:]|(?<=\d)[ \u00a0\u202f](?=\d{3}(?!\d)))\d+)*")
+# a century or a ruler in Roman numerals ("XIIIe siècle", "siglo XV", "Louis XIV")
+_ROMAN = re.compile(r"\b([IVXL]{1,7})(?:e|er|ème|eme|th)?\b")
+_ROMAN_VALUES = {"I": 1, "V": 5, "X": 10, "L": 50}
+_NO_BREAK = str.maketrans({"\u00a0": " ", "\u202f": " "})
+_CLOCK = re.compile(r"(\d{1,2}):(\d{2})")
+# a number written as part of a clock time: followed by an hour word, or minutes after "h"
+_CLOCK_AFTER = re.compile(
+    r"\s*(?:h(?![^\W\d_])|heures?\b|uhr\b|hours?\b|horas?\b|ore\b|uur\b|[ap]\.?m\b)",
+    re.IGNORECASE,
+)
+_CLOCK_BEFORE = re.compile(r"\d\s*h\s*$", re.IGNORECASE)
 _WORD = re.compile(r"[^\W\d_]+(?:-[^\W\d_]+)?", re.UNICODE)
 # an hour with a clock word after it: "7pm", "7 p.m.", "seven o'clock", "19 Uhr", "19h"
 _HOUR = re.compile(
@@ -105,6 +121,7 @@ _WORDS.update({"soixante-dix": 70, "quatre-vingt": 80, "quatre-vingt-dix": 90})
 
 def _token_values(token: str) -> set[float]:
     """Every value a numeric token may mean (see the module docstring)."""
+    token = token.translate(_NO_BREAK)
     if ":" in token:  # a time h:mm (also 12 h <-> 24 h)
         parts = token.split(":")
         if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
@@ -152,15 +169,30 @@ def _word_value(word: str) -> float | None:
     return None
 
 
+def _roman_value(numeral: str) -> int | None:
+    """The value of an upper-case Roman numeral up to L (None when it is not well formed)."""
+    total = 0
+    for i, ch in enumerate(numeral):
+        v = _ROMAN_VALUES[ch]
+        nxt = _ROMAN_VALUES[numeral[i + 1]] if i + 1 < len(numeral) else 0
+        total += -v if v < nxt else v
+    return total if total > 0 else None
+
+
 def number_values(text: str) -> set[float]:
     """Every value the numbers of `text` (digits and number words) may stand for."""
     values: set[float] = set()
     for token in _NUMBER.findall(text):
         values |= _token_values(token)
     for word in _WORD.findall(text):
-        value = _word_value(word)
-        if value is not None:
-            values.add(value)
+        for part in {word, *word.split("-")}:  # "one-third" also as "one" and "third"
+            value = _word_value(part)
+            if value is not None:
+                values.add(value)
+    for roman in _ROMAN.findall(text):
+        value = _roman_value(roman) if roman != "I" else None  # "I" is the English pronoun
+        if value:
+            values.add(float(value))
     for match in _HOUR.finditer(text):  # "7pm" supports "19 Uhr" and "19:00"
         raw = match[1]
         hour = float(int(raw)) if raw.isdigit() else _word_value(raw)
@@ -169,16 +201,44 @@ def number_values(text: str) -> set[float]:
     return values
 
 
+def _parts_in_context(source: str) -> tuple[set[float], set[float]]:
+    """(hours and minutes of the source's clock times, two-digit forms of its years): what a
+    number of the translation may be when its context says so (`invented_numbers`)."""
+    clock: set[float] = set()
+    decades: set[float] = set()
+    for token in _NUMBER.findall(source):
+        if m := _CLOCK.fullmatch(token):
+            h = int(m[1])
+            clock |= {float(h), float((h + 12) % 24), float(int(m[2]))}
+        elif token.isdigit() and len(token) == 4:
+            decades.add(float(int(token[2:])))
+    return clock, decades
+
+
 def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
     """The translation's numbers in digits that no number of the source supports."""
-    tokens = _NUMBER.findall(translation)
-    if not tokens:
+    matches = list(_NUMBER.finditer(translation))
+    if not matches:
         return ()
     support = number_values(source)
-    return tuple(t for t in tokens if not _supported(t, support))
+    clock, decades = _parts_in_context(source)
+    invented = []
+    for m in matches:
+        token = m[0]
+        if _supported(token, support):
+            continue
+        value = float(int(token)) if token.isdigit() else None
+        before, after = translation[: m.start()], translation[m.end() :]
+        if value in clock and (_CLOCK_AFTER.match(after) or _CLOCK_BEFORE.search(before)):
+            continue  # "11 heures", "10h00", "10 h 08" of a source's "11:35 pm", "10:08"
+        if value in decades and before.endswith(("'", "’")):
+            continue  # "gli anni '80" of "the 1980s"
+        invented.append(token)
+    return tuple(invented)
 
 
 def _supported(token: str, support: set[float]) -> bool:
+    token = token.translate(_NO_BREAK)
     parts = [p for p in re.split(r"[.,: ]", token) if p]
     if ":" in token and len(parts) > 2:  # h:mm:ss, a race time m:ss.hh: every part, not one
         return all(float(int(p)) in support for p in parts)
