@@ -21,6 +21,7 @@ INVENTED = [
     ("at 11:35 pm", "am 11. Mai 2019", ("11", "2019")),  # an hour is no date's day
     ("the 1980s", "im Jahr 80", ("80",)),  # a year's two digits only as a decade ('80)
     ("I went there", "Ich war 1 Mal dort", ("1",)),  # "I" is no Roman numeral
+    ("Le mois dernier, L'Iran", "Last month, 50 planes in Iran", ("50",)),  # nor "Le", "L'"
     ("at 12:30:45", "um 12:31:45 Uhr", ("12:31:45",)),
 ]  # fmt: skip
 
@@ -43,6 +44,7 @@ FAITHFUL = [
     ("long de 6\u202f387 km (3\u202f980 miles)", "6 387 km (3980 miles) long"),
     ("de 5\u00a0000 ans av. J.-C.", "from 5000 years ago"),
     ("du XIe au XIIIe siècle", "in the early 13th century"),
+    ("au Xe siècle", "in the 10th century"),
     ("about one-third is covered", "circa il 1/3 è coperto"),
     ("It costs €15.", "Es kostet 15,00 €."),
     ("The total is EUR 1,000.50", "Die Summe beträgt 1.000,50 EUR"),

@@ -7,8 +7,8 @@ that no number of the source supports, after normalising the forms a faithful tr
 change:
 
 - separators: "1,000" / "1.000" / "1 000" (also with the no-break spaces of French typography)
-  and "3.5" / "3,5" are read both ways (thousands and
-  decimal), so "EUR 1,000.50" supports "1.000,50 EUR"; zero cents drop ("15,00 €" = "€15");
+  and "3.5" / "3,5" are read both ways (thousands and decimal), so "EUR 1,000.50" supports
+  "1.000,50 EUR"; zero cents drop ("15,00 €" = "€15");
 - times: "7:10pm" supports "19:10" and "7.10", and its hour and minutes written as a clock
   time (French "10 h 08", "10h00", "11 heures" for "11:35 pm"); an hour followed by a clock
   word ("7pm", "seven o'clock", "19 Uhr") also supports the same hour on the other 12-hour
@@ -18,7 +18,9 @@ change:
   "fifteen" / "fünfzehn" / "quinze" support 15, "first" supports 1 ("1." in German), "a
   dozen" 12, "half" 0.5; tens and units written as one word or with a hyphen ("twenty-five",
   "fünfundzwanzig", "vijfentwintig") too, and each part of a hyphenated word ("one-third");
-- Roman numerals of the source ("XIIIe siècle" supports "13th century", "siglo XV" 15);
+- Roman numerals of the source ("XIIIe siècle" supports "13th century", "siglo XV" 15), of
+  two letters or more, or one with a century's suffix ("Xe siècle"): "I", "L'" and "Le" are
+  words;
 - a token whose every part is a number of the source is supported (a date written with other
   separators, "05/12/2024" -> "12.05.2024"); digit runs inside identifiers ("A-12345") are
   numbers like any other, but not digits glued to a letter ("CO2" for "carbon dioxide").
@@ -40,7 +42,7 @@ __all__ = ["invented_numbers", "number_values"]
 # not glued to a letter before it (a formula or a model name: "CO2", "MP3"); "1 000e" reads 1000
 _NUMBER = re.compile(r"(?<![^\W_])\d+(?:(?:[.,:]|(?<=\d)[ \u00a0\u202f](?=\d{3}(?!\d)))\d+)*")
 # a century or a ruler in Roman numerals ("XIIIe siècle", "siglo XV", "Louis XIV")
-_ROMAN = re.compile(r"\b([IVXL]{1,7})(?:e|er|ème|eme|th)?\b")
+_ROMAN = re.compile(r"\b([IVXL]{1,7})(e|er|ème|eme|th)?\b")
 _ROMAN_VALUES = {"I": 1, "V": 5, "X": 10, "L": 50}
 _NO_BREAK = str.maketrans({"\u00a0": " ", "\u202f": " "})
 _CLOCK = re.compile(r"(\d{1,2}):(\d{2})")
@@ -189,8 +191,9 @@ def number_values(text: str) -> set[float]:
             value = _word_value(part)
             if value is not None:
                 values.add(value)
-    for roman in _ROMAN.findall(text):
-        value = _roman_value(roman) if roman != "I" else None  # "I" is the English pronoun
+    for roman, suffix in _ROMAN.findall(text):
+        # one letter is a word ("I", French "L'", "Le") unless a century's suffix says otherwise
+        value = _roman_value(roman) if len(roman) > 1 or (suffix and roman in "VX") else None
         if value:
             values.add(float(value))
     for match in _HOUR.finditer(text):  # "7pm" supports "19 Uhr" and "19:00"
