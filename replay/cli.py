@@ -132,13 +132,23 @@ def run(
 @app.command()
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory of `tolk replay run`.")],
+    margin: Annotated[
+        str | None,
+        typer.Option(help="Equivalence margins of the per-segment column: chrf=0.02,..."),
+    ] = None,
+    slo_ms: Annotated[float, typer.Option(help="The within-SLO indicator's SLO.")] = 2000.0,
 ) -> None:
     """Write the A/B report of a run (JSON, Markdown, HTML) into its directory."""
     from replay.report import write_report  # part T's module
+    from replay.sequential import parse_margins
 
     if not (run_dir / "run.json").is_file():
         _fail(f"{run_dir} is not a replay run directory (no run.json)")
-    write_report(run_dir)
+    try:
+        margins = parse_margins(margin)
+    except ValueError as exc:
+        _fail(str(exc))
+    write_report(run_dir, margins=margins, slo_ms=slo_ms)
     for name in ("report.json", "report.md", "report.html"):
         typer.echo(f"wrote {run_dir / name}")
 

@@ -74,6 +74,25 @@ def _comparison_rows(comparison: dict[str, Any]) -> list[list[str]]:
 
 
 COMPARISON_HEADER = ["metric", "B - A", "95 % interval", "n", "A' - A", "verdict"]
+SEQUENTIAL_HEADER = ["per segment", "mean B - A", "95 % CS (anytime)", "n", "margin", "verdict"]
+
+
+def _sequential_rows(comparison: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, m in comparison.get("sequential", {}).items():
+        if not m["n"]:
+            continue
+        rows.append(
+            [
+                name,
+                _fmt(m["estimate"]),
+                f"[{_fmt(m['lower'])}, {_fmt(m['upper'])}]",
+                str(m["n"]),
+                f"±{_fmt(m['margin'])}",
+                m["verdict"],
+            ]
+        )
+    return rows
 
 
 def _header_lines(report: dict[str, Any]) -> list[str]:
@@ -85,7 +104,15 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
         f"Latency: {report['latency_definition']}. Intervals: paired bootstrap, "
         f"{report['bootstrap']['draws']} draws, seed {report['bootstrap']['seed']}. A verdict "
         "needs the interval to exclude 0 and, with a noise pair, |B - A| > |A' - A|.",
-    ]
+    ] + (
+        [
+            "Per segment: a paired anytime-valid confidence sequence (valid whenever the run "
+            "is read); equivalent = the whole CS within the margin declared before the run "
+            f"(SLO {report['sequential']['slo_ms']:.0f} ms)."
+        ]
+        if "sequential" in report
+        else []
+    )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -112,6 +139,13 @@ def markdown(report: dict[str, Any]) -> str:
                 "|---" * len(COMPARISON_HEADER) + "|",
             ]
             lines += ["| " + " | ".join(row) + " |" for row in _comparison_rows(comparison)]
+            if seq_rows := _sequential_rows(comparison):
+                lines += [
+                    "",
+                    "| " + " | ".join(SEQUENTIAL_HEADER) + " |",
+                    "|---" * len(SEQUENTIAL_HEADER) + "|",
+                ]
+                lines += ["| " + " | ".join(row) + " |" for row in seq_rows]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -240,6 +274,8 @@ def page(report: dict[str, Any]) -> str:
             noise = " (noise pair)" if comparison["noise_pair"] else ""
             parts.append(f"<h3>{html.escape(title + noise)}</h3>")
             table = _table(COMPARISON_HEADER, _comparison_rows(comparison))
+            if seq_rows := _sequential_rows(comparison):
+                table += _table(SEQUENTIAL_HEADER, seq_rows)
             for verdict in ("better", "worse"):
                 table = table.replace(
                     f"<td>{verdict}</td>", f'<td class="{verdict}">{verdict}</td>'

@@ -21,6 +21,9 @@ How the numbers are made:
 5. Noise: a run with two copies of one arm (`noise_pair`, run.json's "noise_pair", or two
    arms named X and X' / X-copy) gets the A-A' comparison too; every other comparison's
    verdict then also needs |B-A| > |A-A'| (`stats.verdict`).
+6. Sequential column (`replay.sequential`, issue #29): per comparison and metric, an
+   anytime-valid confidence sequence of the paired per-segment difference and a verdict
+   against a margin declared before the run: better / equivalent / worse / inconclusive.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from replay import quality, stats
+from replay import confseq, quality, sequential, stats
 from workers import reply_metadata
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
@@ -242,8 +245,12 @@ def build_report(
     noise_pair: tuple[str, str] | None = None,
     draws: int = stats.DEFAULT_DRAWS,
     seed: int = stats.DEFAULT_SEED,
+    margins: dict[str, float] | None = None,
+    slo_ms: float = sequential.DEFAULT_SLO_MS,
 ) -> dict[str, Any]:
-    """The report as a dict (what report.json holds); writes nothing."""
+    """The report as a dict (what report.json holds); writes nothing. `margins` and `slo_ms`:
+    the sequential column's (`replay.sequential`; None = its defaults)."""
+    margins = {**sequential.DEFAULT_MARGINS, **(margins or {})}
     root = Path(run_dir)
     run = json.loads((root / "run.json").read_text(encoding="utf-8"))
     requests = {r["request_id"]: r for r in _jsonl(root / "requests.jsonl")}
@@ -305,6 +312,9 @@ def build_report(
                         diff, higher_is_better=_higher_is_better(name), noise=noise
                     ),
                 }
+            comparison["sequential"] = sequential.compare(
+                rids, measures[base], measures[arm], margins=margins, slo_ms=slo_ms
+            )
             group["comparisons"][f"{arm} vs {base}"] = comparison
         report_groups[gname] = group
     return {
@@ -328,6 +338,12 @@ def build_report(
         "requests": len(requests),
         "problems": sum(1 for _ in _jsonl(root / "problems.jsonl")),
         "bootstrap": {"draws": draws, "seed": seed, "confidence": stats.CONFIDENCE},
+        "sequential": {
+            "method": "paired betting confidence sequence (Waudby-Smith & Ramdas)",
+            "alpha": confseq.ALPHA,
+            "margins": margins,
+            "slo_ms": slo_ms,
+        },
         "latency_definition": "received_ms - sent_ms of OK replies (client side)",
         "groups": report_groups,
         "latencies": {arm: _latencies_by_language(requests, measures[arm]) for arm in arms},

@@ -1,0 +1,149 @@
+"""Anytime-valid confidence sequences for bounded means, by betting (issue #29).
+
+A confidence sequence (CS) is a sequence of intervals C_1, C_2, ... that holds the true mean at
+*every* time at once with probability >= 1 - alpha: P(exists t: mu not in C_t) <= alpha. So the
+report may be read after every segment and a run stopped as soon as a verdict is reached,
+without the inflation of looking again at a fixed-horizon test (a two-sample z test looked at
+daily for 30 days had 29.4 % false positives in `ville`'s benchmark, a CS 1.6 %).
+
+The construction is the hedged betting CS of Waudby-Smith and Ramdas, "Estimating means of
+bounded random variables by betting" (JRSS B 86(1), 2024, arXiv 2010.09686), Theorem 3 with
+the predictable plug-in bets of their eq. (26)-(27) ("hedged capital", theta = 1/2, c = 1/2):
+for every candidate mean m, two gamblers bet that the next observation lies above / below m,
+
+    K+_t(m) = prod_{i<=t} (1 + l+_i(m) (x_i - m)),   K-_t(m) = prod_{i<=t} (1 - l-_i(m) (x_i - m))
+    l_i = sqrt(2 log(2/alpha) / (s2_{i-1} i log(1+i))),  l+_i(m) = min(l_i, c/m),
+                                                          l-_i(m) = min(l_i, c/(1-m))
+    s2_t = (1/4 + sum_{i<=t} (x_i - mu_i)^2) / (t+1),    mu_t = (1/2 + sum_{i<=t} x_i) / (t+1)
+
+and m is rejected once max(theta K+, (1-theta) K-) >= 1/alpha (Ville's inequality: under the
+true m both capitals are nonnegative martingales). C_t is the set of m not rejected so far (a
+running intersection, itself a CS). Each observation must lie in [0, 1] and have conditional
+mean m given the past: segments replayed in any order, paired per request, qualify.
+
+Paired differences d in [-1, 1] (arm B's per-segment score minus arm A's, scores in [0, 1]) map
+to x = (d + 1) / 2; `paired_difference_cs` maps the interval back. `decide` turns an interval
+and a margin fixed before the run into better / equivalent / worse / inconclusive.
+
+The candidate means are a grid of `GRID` midpoints; an interval's ends are widened by half a
+grid step, so the grid never makes the interval narrower than the exact one. numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+ALPHA = 0.05
+GRID = 2000  # candidate means in (0, 1): resolution 5e-4
+THETA = 0.5  # hedge: half the capital bets up, half down
+C_TRUNC = 0.5  # a bet never risks more than half the capital (l(m) <= c/m, c/(1-m))
+_CHUNK = 512  # observations per vectorised step (memory: _CHUNK x GRID floats)
+
+BETTER = "better"
+WORSE = "worse"
+EQUIVALENT = "equivalent"
+INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """The CS after `n` observations: the mean lies in [lower, upper] (at every n at once, with
+    probability >= 1 - alpha). `n` = 0: nothing seen, the whole range."""
+
+    lower: float
+    upper: float
+    n: int
+    alpha: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"lower": self.lower, "upper": self.upper, "n": self.n, "alpha": self.alpha}
+
+
+def _bets(x: np.ndarray, alpha: float) -> np.ndarray:
+    """The predictable plug-in bet l_i for each observation (uses x_1..x_{i-1} only)."""
+    n = len(x)
+    i = np.arange(1, n + 1, dtype=np.float64)
+    mu = (0.5 + np.cumsum(x)) / (i + 1)  # mu_i, after x_i
+    dev = (x - mu) ** 2
+    s2 = (0.25 + np.cumsum(dev)) / (i + 1)  # s2_i, after x_i
+    s2_before = np.concatenate(([0.25], s2[:-1]))  # s2_{i-1}; s2_0 = 1/4
+    return np.sqrt(2.0 * math.log(2.0 / alpha) / (s2_before * i * np.log1p(i)))
+
+
+def betting_cs(
+    x: Sequence[float] | np.ndarray, alpha: float = ALPHA, grid: int = GRID
+) -> list[Interval]:
+    """The running CS for the mean of `x` (values in [0, 1]), one interval per observation."""
+    xs = np.asarray(x, dtype=np.float64)
+    if xs.size and (xs.min() < 0.0 or xs.max() > 1.0 or not np.isfinite(xs).all()):
+        raise ValueError("betting_cs needs observations in [0, 1]")
+    m = (np.arange(grid, dtype=np.float64) + 0.5) / grid  # [G]
+    lam = _bets(xs, alpha)
+    log_plus = np.zeros(grid)
+    log_minus = np.zeros(grid)
+    alive = np.ones(grid, dtype=bool)
+    threshold = math.log(1.0 / alpha)
+    half_step = 0.5 / grid
+    out: list[Interval] = []
+    for start in range(0, len(xs), _CHUNK):
+        xc = xs[start : start + _CHUNK, None]  # [T, 1]
+        lc = lam[start : start + _CHUNK, None]  # [T, 1]
+        up = np.minimum(lc, C_TRUNC / m)  # [T, G]
+        down = np.minimum(lc, C_TRUNC / (1.0 - m))
+        lp = log_plus + np.cumsum(np.log1p(up * (xc - m)), axis=0)  # [T, G]
+        lm = log_minus + np.cumsum(np.log1p(-down * (xc - m)), axis=0)
+        hedged = np.maximum(math.log(THETA) + lp, math.log(1.0 - THETA) + lm)
+        kept = np.logical_and.accumulate(hedged < threshold, axis=0) & alive  # running ∩
+        for t in range(kept.shape[0]):
+            idx = np.flatnonzero(kept[t])
+            n = start + t + 1
+            if idx.size:
+                lo, hi = m[idx[0]] - half_step, m[idx[-1]] + half_step
+            else:  # every grid mean rejected: the CS is narrower than the grid; keep its spot
+                j = int(np.argmin(hedged[t]))
+                lo, hi = m[j] - half_step, m[j] + half_step
+            out.append(Interval(max(0.0, float(lo)), min(1.0, float(hi)), n, alpha))
+        log_plus, log_minus, alive = lp[-1], lm[-1], kept[-1]
+    return out
+
+
+def final_cs(x: Sequence[float] | np.ndarray, alpha: float = ALPHA) -> Interval:
+    """The CS after the last observation (the whole range when there is none)."""
+    seq = betting_cs(x, alpha)
+    return seq[-1] if seq else Interval(0.0, 1.0, 0, alpha)
+
+
+def paired_difference_cs(
+    a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, alpha: float = ALPHA
+) -> Interval:
+    """A CS for mean(b - a), per-item scores of A and B in [0, 1], paired by position."""
+    aa, bb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if aa.shape != bb.shape:
+        raise ValueError(f"paired scores differ in length: {aa.shape} vs {bb.shape}")
+    x = (np.clip(bb - aa, -1.0, 1.0) + 1.0) / 2.0
+    cs = final_cs(x, alpha)
+    return Interval(2.0 * cs.lower - 1.0, 2.0 * cs.upper - 1.0, cs.n, alpha)
+
+
+def decide(cs: Interval, margin: float, *, higher_is_better: bool = True) -> str:
+    """better / equivalent / worse / inconclusive for a CS of mean(B - A) and a margin > 0.
+
+    equivalent: the whole CS lies within (-margin, +margin) (checked first: a difference shown
+    to be smaller than the margin is no difference that matters); better: the CS lies above 0
+    in the better direction; worse: below 0; otherwise inconclusive."""
+    if margin <= 0:
+        raise ValueError("the equivalence margin must be > 0")
+    lo, hi = (cs.lower, cs.upper) if higher_is_better else (-cs.upper, -cs.lower)
+    if cs.n == 0:
+        return INCONCLUSIVE
+    if -margin < lo and hi < margin:
+        return EQUIVALENT
+    if lo > 0:
+        return BETTER
+    if hi < 0:
+        return WORSE
+    return INCONCLUSIVE
