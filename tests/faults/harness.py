@@ -60,14 +60,15 @@ WORKER_MAIN = (sys.executable, "-m", "tests.faults.worker_main")
 
 class WorkerProcess:
     """A worker as a child process: `command` (default `tests/faults/worker_main.py`) with
-    `args` as its JSON argument; it prints `ASSIGNED` once it owns partitions; stderr goes to
-    `log_path`."""
+    `args` as its JSON argument; it prints `READY` once its engine is warm if it was told to hold
+    (`hold_until`) and `ASSIGNED` once it owns partitions; stderr goes to `log_path`."""
 
     def __init__(
         self, args: dict[str, Any], log_path: Path, command: Sequence[str] = WORKER_MAIN
     ) -> None:
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
+        self.ready = threading.Event()
         self.assigned = threading.Event()
         self.proc = subprocess.Popen(
             [*command, json.dumps(args)],
@@ -82,15 +83,23 @@ class WorkerProcess:
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(b"ASSIGNED"):
+            if line.startswith(b"READY"):
+                self.ready.set()
+            elif line.startswith(b"ASSIGNED"):
                 self.assigned.set()
 
+    def wait_ready(self, timeout: float = 60) -> None:
+        self._wait(self.ready, "ready", timeout)
+
     def wait_assigned(self, timeout: float = 60) -> None:
+        self._wait(self.assigned, "assigned", timeout)
+
+    def _wait(self, event: threading.Event, what: str, timeout: float) -> None:
         end = time.monotonic() + timeout
-        while not self.assigned.wait(0.1):
+        while not event.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > end:
                 raise AssertionError(
-                    f"worker not assigned (exit {self.proc.poll()}); log {self.log_path}:\n"
+                    f"worker not {what} (exit {self.proc.poll()}); log {self.log_path}:\n"
                     + last_lines(self.log_path.read_text(errors="replace"))
                 )
 

@@ -7,7 +7,10 @@ engine (SmolLM2 135M, 8 output tokens, float32 on CPU) over three languages of 4
 each, under an open-loop load. Mid-run: worker `w1` gets SIGKILL (its partitions move after its
 6 s session timeout; what it had answered but not committed is answered again), a new worker
 `w3` joins (the group rebalances incrementally: the others keep their partitions), and `w2`
-gets SIGTERM (it drains, commits and leaves the group, exit 0).
+gets SIGTERM (it drains, commits and leaves the group, exit 0). `w3`'s process starts with the
+others and holds, its engine warm, until it is told to join (`hold_until`): what is tested is
+the group's rebalance under load, not a model's load beside three busy workers, which took
+about a minute and tripled the requests the test waits for.
 
 Asserted: every request answered, none lost; duplicates counted and equal in text (greedy
 model, and the result store resends stored bytes); every answer OK; the added worker answered
@@ -24,6 +27,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -47,7 +51,7 @@ RATE = 4.0  # requests per second, all languages together (three workers of a 13
 
 
 def test_three_workers_one_killed_one_added_one_stopped_lose_nothing(
-    stack_up: PrivateStack, spawn_worker: Callable[..., WorkerProcess]
+    stack_up: PrivateStack, spawn_worker: Callable[..., WorkerProcess], tmp_path: Path
 ) -> None:
     stack = stack_up
     seed = int(os.environ.get("TOLK_FAULTS_SEED", random.randrange(1 << 30)))
@@ -55,7 +59,9 @@ def test_three_workers_one_killed_one_added_one_stopped_lose_nothing(
     create_prefixed_topics(stack.bootstrap, prefix, LANGS, partitions=4)
     group = f"g-{uuid.uuid4().hex[:8]}"
 
-    def start(name: str) -> WorkerProcess:
+    join_w3 = tmp_path / "join-w3"
+
+    def start(name: str, **extra: str) -> WorkerProcess:
         return spawn_worker(
             group=group,
             languages=list(LANGS),
@@ -63,21 +69,25 @@ def test_three_workers_one_killed_one_added_one_stopped_lose_nothing(
             worker_id=name,
             model="smollm2-135m",
             max_new_tokens=8,
-            pack_weights=False,  # no GEMM probe: three workers start at once on two cores
+            pack_weights=False,  # no GEMM probe: four workers start at once on two cores
+            **extra,
         )
 
     replies = TopicTail(stack.bootstrap, prefix + REPLIES, decode_result)
     workers = {name: start(name) for name in ("w0", "w1", "w2")}
-    for w in workers.values():
-        w.wait_assigned(600)
+    workers["w3"] = start("w3", hold_until=str(join_w3))
+    for name in ("w0", "w1", "w2"):
+        workers[name].wait_assigned(600)
+    workers["w3"].wait_ready(600)
+    assert not workers["w3"].assigned.is_set()
     load = LoadGenerator(stack.bootstrap, prefix, LANGS, rate=RATE, seed=seed).start()
     try:
         time.sleep(8)
         workers["w1"].kill()
         assert workers["w1"].proc.returncode == -signal.SIGKILL
         time.sleep(8)
-        workers["w3"] = start("w3")
-        workers["w3"].wait_assigned(600)
+        join_w3.touch()  # w3 joins the group now, under load
+        workers["w3"].wait_assigned(60)
         time.sleep(8)
         assert workers["w2"].terminate(timeout=60) == 0  # drains, commits, leaves the group
         time.sleep(6)

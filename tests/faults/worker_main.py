@@ -12,8 +12,10 @@ session_timeout_ms, metrics_port (0 = none), group_instance_id (optional: static
 so a restarted process takes its partitions back at once instead of after the dead member's
 session timeout), model, max_new_tokens and pack_weights (optional: the real engine, e.g.
 "smollm2-135m", its output cap, default 32, and whether it probes and packs its projection
-GEMMs, default true) and settings (extra `Settings` fields; an unknown one is an
-error).
+GEMMs, default true), settings (extra `Settings` fields; an unknown one is an error) and
+hold_until (optional: a path; the process loads and warms its engine, prints ``READY``, and
+joins the group only once that path exists: a test can add a worker mid-run without its
+model's start-up, which takes a minute on two loaded cores, in the middle of the load).
 
 The process prints ``ASSIGNED`` on stdout once its first partitions are assigned and runs the
 worker on its main thread (SIGTERM drains and exits 0).
@@ -26,6 +28,8 @@ import json
 import logging
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Consumer
@@ -93,6 +97,10 @@ def main(argv: list[str]) -> None:
     else:
         langs = tuple(dict.fromkeys((*FAKE_LANGUAGES, *settings.languages)))
         engine = FakeEngine(languages=langs, delay_s=float(args.get("delay_s", 0.05)))
+    if args.get("hold_until"):
+        print("READY", flush=True)
+        while not Path(args["hold_until"]).exists():
+            time.sleep(0.05)
     worker = Worker(
         settings, engine, consumer_factory=consumer_factory(args.get("group_instance_id"))
     )
