@@ -178,6 +178,14 @@ def rollout_status(
                 f" ms; stable n={f.get('stable_requests', 0):g} "
                 f"p99={f.get('stable_p99_ms', -1):g} ms -> {e['action']}"
             )
+            if "bad_diff_upper" in f:  # sequential mode: the step's evidence so far
+                typer.echo(
+                    f"    step: canary n={f.get('step_canary_requests', 0):g}, stable "
+                    f"n={f.get('step_stable_requests', 0):g}; canary - stable, bad rate in "
+                    f"[{f['bad_diff_lower']:+.3f}, {f['bad_diff_upper']:+.3f}], over-SLO rate "
+                    f"in [{f['slow_diff_lower']:+.3f}, {f['slow_diff_upper']:+.3f}] "
+                    f"(level {f.get('alpha_per_test', 0):g} each)"
+                )
         last = book.last_decision(lang)
         if last is not None:
             typer.echo(f"  last decision: {last['action']} ({'; '.join(last['reasons'])})")
@@ -192,6 +200,25 @@ def guard(
     bad_windows: Annotated[int, typer.Option(help="Consecutive bad windows: rollback.")] = 3,
     good_windows: Annotated[int, typer.Option(help="Consecutive good windows: promote.")] = 3,
     min_share: Annotated[float, typer.Option(help="No verdict below this share.")] = 1.0,
+    decision: Annotated[
+        str,
+        typer.Option(
+            help="windows: streaks of window verdicts; sequential: anytime-valid confidence "
+            "sequences over each step (docs/OPERATIONS.md)."
+        ),
+    ] = "windows",
+    alpha: Annotated[
+        float, typer.Option(help="sequential: false-alarm level, split over languages.")
+    ] = 0.05,
+    max_rate_increase: Annotated[
+        float, typer.Option(help="Error/expired rate over the stable's by more: bad (margin).")
+    ] = 0.05,
+    max_slow_increase: Annotated[
+        float, typer.Option(help="sequential: margin of the rate of replies over the SLO.")
+    ] = 0.05,
+    min_step_s: Annotated[
+        float, typer.Option(help="sequential: a step lasts this long before a promotion.")
+    ] = 60.0,
     grace_s: Annotated[float, typer.Option(help="Wait after a window's end.")] = 2.0,
     max_latency_ratio: Annotated[
         float, typer.Option(help="Canary P95 (P99 past the SLO) above this x the stable's: bad.")
@@ -220,7 +247,7 @@ def guard(
     from topics.catalog import replies_topic as default_replies
     from workers.guard.app import run_guard
     from workers.guard.core import GuardConfig
-    from workers.guard.policy import GuardPolicy
+    from workers.guard.policy import DECISIONS, GuardPolicy
     from workers.log_levels import parse_log_level
     from workers.ports import PortUnavailable, parse_port
 
@@ -228,6 +255,8 @@ def guard(
         level = parse_log_level(log_level)  # one name that logging and faust both know
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--log-level") from None
+    if decision not in DECISIONS:
+        raise typer.BadParameter(f"one of {', '.join(DECISIONS)}", param_hint="--decision")
     try:
         port = None if metrics_port is None else parse_port(metrics_port, "--metrics-port")
     except ValueError as exc:
@@ -263,8 +292,14 @@ def guard(
             bad_windows_to_rollback=bad_windows,
             good_windows_to_promote=good_windows,
             min_share=min_share,
+            max_rate_increase=max_rate_increase,
             max_latency_ratio=max_latency_ratio,
             latency_slack_ms=latency_slack_ms,
+            decision=decision,
+            alpha=alpha,
+            languages=max(1, len(settings.policies)),
+            max_slow_increase=max_slow_increase,
+            min_step_s=min_step_s,
         ),
         slos=dict(settings.policies),
         app_id=app_id,

@@ -35,6 +35,7 @@ guard process needs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -181,8 +182,17 @@ class GuardCore:
     ) -> Any:
         """Decide one window of `state`'s language and write the decision; the decision."""
         lang, w = state.lang, self.window_ms
+        slo = self.config.slos.get(lang)
+        slo_ms = slo.slo_p99_s * 1000 if slo is not None else math.inf  # over it: "slow"
         canary, stable = (
-            stats_of(counts.get((lang, arm)), lang=lang, arm=arm, start_ms=start_ms, window_ms=w)
+            stats_of(
+                counts.get((lang, arm)),
+                lang=lang,
+                arm=arm,
+                start_ms=start_ms,
+                window_ms=w,
+                slo_ms=slo_ms,
+            )
             for arm in (state.canary, state.stable)
         )
         unknown = sum(
@@ -192,7 +202,7 @@ class GuardCore:
         )
         if unknown:
             self._ignore("unknown_arm", unknown)
-        decision = decide(state, canary, stable, self.config.slos.get(lang), self.config.policy)
+        decision = decide(state, canary, stable, slo, self.config.policy)
         if decision is None:
             return None
         event = decision_event(decision, decided_by=self.config.guard_id, now_ms=wall_clock_ms())

@@ -28,6 +28,9 @@ guards running at once.
   that language only), PROMOTE after `good_windows_to_promote` consecutive good ones (the
   next step; COMPLETE at 100 %), HOLD or INCONCLUSIVE otherwise. Below `min_share` the guard
   does not judge (INCONCLUSIVE, "share below minimum").
+* **Sequential mode** (`decision="sequential"`, `workers.guard.sequential`): the step's counts
+  (`RolloutState.step`, in every event's figures) judged by confidence sequences after each
+  window: ROLLBACK once harm is shown, PROMOTE once non-inferiority is and `min_step_s` passed.
 * **Idempotent, keyed**: a decision's `event_id` is `<rollout id>/<language>/<window start>`,
   so a replayed window or a second guard produces an event with the same id and the same
   content, and folding it a second time changes nothing (`apply_event` skips a window already
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.fairness.policy import LanguagePolicy
+from workers.guard.sequential import StepCounts, judge_step, level_per_test
 from workers.guard.windows import WindowStats
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
 DEFAULT_STEPS = (5.0, 25.0, 50.0, 100.0)
 # START/ABORT: operator; PROMOTE: guard or operator; the rest: the guard's judged windows.
 ACTIONS = ("START", "HOLD", "INCONCLUSIVE", "PROMOTE", "ROLLBACK", "COMPLETE", "ABORT")
+DECISIONS = ("windows", "sequential")
 WINDOW_ACTIONS = frozenset({"HOLD", "INCONCLUSIVE", "PROMOTE", "ROLLBACK", "COMPLETE"})
 
 
@@ -81,10 +86,20 @@ class GuardPolicy:
     min_suspect: int = 5
     max_latency_ratio: float = 1.5  # canary P95 (P99 past the SLO) vs the stable's
     latency_slack_ms: float = 250.0  # added to the ratio bound (small latencies are noisy)
+    # sequential mode: max_rate_increase is the bad replies' margin, this the over-SLO ones'
+    decision: str = "windows"  # "windows" | "sequential"
+    alpha: float = 0.05  # false-alarm level, split over `languages` x two metrics
+    languages: int = 1  # how many languages the guard judges
+    max_slow_increase: float = 0.05
+    min_step_s: float = 60.0  # a step lasts at least this long before it is promoted
 
     def __post_init__(self) -> None:
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s!r}")
+        if self.decision not in DECISIONS:
+            raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha!r}")
         for name in ("min_requests", "bad_windows_to_rollback", "good_windows_to_promote"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -195,6 +210,7 @@ class RolloutState:
     bad_streak: int = 0
     judge_from_ms: int = 0  # windows starting before this are not judged
     last_window_ms: int = -1  # start of the last window applied
+    step: StepCounts = StepCounts()  # replies since the share was set (sequential mode)
 
     @property
     def active(self) -> bool:
@@ -238,6 +254,8 @@ def decide(
         return None
     if start < state.judge_from_ms or start <= state.last_window_ms:
         return None
+    if policy.decision == "sequential":
+        return _decide_sequential(state, canary, stable, policy)
     verdict = judge_window(canary, stable, slo, policy)
     if state.share < policy.min_share:
         why = f"share {state.share:g}% below minimum {policy.min_share:g}%: not judged"
@@ -280,6 +298,57 @@ def decide(
     )
 
 
+def _decide_sequential(
+    state: RolloutState, canary: WindowStats, stable: WindowStats | None, policy: GuardPolicy
+) -> Decision:
+    """The sequential mode's decision on one window (see the module docstring)."""
+    st = (0, 0, 0) if stable is None else (stable.requests, stable.bad, stable.over_slo)
+    step = state.step.plus((canary.requests, canary.bad, canary.over_slo), st)
+    judged = judge_step(
+        step,
+        alpha=level_per_test(policy.alpha, policy.languages),
+        margins={"bad": policy.max_rate_increase, "slow": policy.max_slow_increase},
+    )
+    figures = {**canary.figures("canary"), **judged.figures}
+    figures.update(stable.figures("stable") if stable is not None else {})
+    lasted_s = (canary.window_end_ms - state.judge_from_ms) / 1000
+    share, phase, judge_from = state.share, state.phase, state.judge_from_ms
+    reasons = judged.reasons
+    if state.share < policy.min_share:
+        why = f"share {state.share:g}% below minimum {policy.min_share:g}%: not judged"
+        kind, action, reasons = "inconclusive", "INCONCLUSIVE", (why, *reasons)
+    elif judged.kind == "harm":
+        kind, action, share, phase = "bad", "ROLLBACK", 0.0, "rolled_back"
+    elif judged.kind == "non_inferior" and lasted_s >= policy.min_step_s:
+        kind, share = "good", next_step(state.steps, state.share)
+        action = "COMPLETE" if share >= 100.0 else "PROMOTE"
+        phase = "complete" if share >= 100.0 else "active"
+        judge_from = canary.window_end_ms  # the next window has the new share
+    elif judged.kind == "non_inferior":
+        kind, action = "good", "HOLD"
+        reasons = (*reasons, f"step lasted {lasted_s:.0f} s < minimum {policy.min_step_s:g} s")
+    else:
+        kind, action = "inconclusive", "HOLD"
+    after = dataclasses.replace(
+        state,
+        share=share,
+        phase=phase,
+        judge_from_ms=judge_from,
+        last_window_ms=canary.window_start_ms,
+        step=step if share == state.share else StepCounts(),
+    )
+    return Decision(
+        event_id=f"{state.rollout_id}/{state.lang}/{canary.window_start_ms}",
+        action=action,
+        share_before=state.share,
+        share_after=share,
+        verdict=Verdict(kind, tuple(reasons), figures),
+        state=after,
+        window_start_ms=canary.window_start_ms,
+        window_end_ms=canary.window_end_ms,
+    )
+
+
 def apply_event(state: RolloutState | None, event: Mapping[str, Any]) -> RolloutState | None:
     """The state after one rollout event (a decoded `RolloutEvent`); unchanged when the event
     does not apply (another rollout, a window already applied). Folding the same events in
@@ -315,6 +384,7 @@ def apply_event(state: RolloutState | None, event: Mapping[str, Any]) -> Rollout
             bad_streak=int(event.get("bad_streak", 0)),
             last_window_ms=int(window),
             judge_from_ms=int(event["window_end"]) if changed else state.judge_from_ms,
+            step=StepCounts() if changed else StepCounts.from_figures(event.get("figures")),
         )
     if action == "PROMOTE":  # an operator's: no window; judging restarts after it
         phase = "complete" if share >= 100.0 else "active"
@@ -325,5 +395,6 @@ def apply_event(state: RolloutState | None, event: Mapping[str, Any]) -> Rollout
             good_streak=0,
             bad_streak=0,
             judge_from_ms=int(event["decided_at"]),
+            step=StepCounts(),
         )
     return state

@@ -50,6 +50,7 @@ __all__ = [
     "empty_counts",
     "merge_counts",
     "observe",
+    "over_ms",
     "percentile_ms",
     "stats_of",
     "window_start_ms",
@@ -218,6 +219,12 @@ class WindowStats:
     p99_ms: float
     withheld: int = 0  # answers the faithfulness checks withheld (ERROR replies)
     flagged: int = 0  # answers they sent flagged (OK replies)
+    over_slo: int = 0  # replies slower than the SLO given to `stats_of` (histogram: +-2 %)
+
+    @property
+    def bad(self) -> int:
+        """Replies the customer did not get: service errors, expired, withheld (issue #29)."""
+        return self.errors + self.expired + self.withheld
 
     @property
     def error_rate(self) -> float:
@@ -249,10 +256,29 @@ class WindowStats:
         }
 
 
+def over_ms(hist: Mapping[str, int], threshold_ms: float) -> int:
+    """Replies in buckets whose lower edge is at or above `threshold_ms` (a reply within 2 %
+    over it may be missed: the histogram's resolution)."""
+    if not math.isfinite(threshold_ms):
+        return 0
+    return sum(
+        int(n)
+        for b, n in hist.items()
+        if int(b) > 0 and bucket_upper_ms(int(b) - 1) >= threshold_ms
+    )
+
+
 def stats_of(
-    counts: Mapping[str, Any] | None, *, lang: str, arm: str, start_ms: int, window_ms: int
+    counts: Mapping[str, Any] | None,
+    *,
+    lang: str,
+    arm: str,
+    start_ms: int,
+    window_ms: int,
+    slo_ms: float = math.inf,
 ) -> WindowStats:
-    """`WindowStats` of merged counts (None: nothing counted)."""
+    """`WindowStats` of merged counts (None: nothing counted); `over_slo` counts the replies
+    slower than `slo_ms`."""
     c = counts if counts else empty_counts()
     status = c.get("status") or {}
     hist = c.get("hist") or {}
@@ -271,4 +297,5 @@ def stats_of(
         p99_ms=percentile_ms(hist, 0.99),
         withheld=withheld,
         flagged=int(quality.get("flagged", 0)),
+        over_slo=over_ms(hist, slo_ms),
     )

@@ -7,11 +7,12 @@ import pytest
 
 from tests.test_architecture import ROOT, imported_modules
 
-GUARD_PURE = ("workers/guard/policy.py", "workers/guard/windows.py")
+GUARD_PURE = ("workers/guard/policy.py", "workers/guard/windows.py", "workers/guard/sequential.py")
 NOT_PURE = ("confluent_kafka", "redis", "faust", "prometheus_client", "torch", "threading")
 ALLOWED_PROJECT = (
     "workers.arms",
     "workers.fairness.policy",
+    "workers.guard.sequential",
     "workers.guard.windows",
     "workers.reply_metadata",  # the reply metadata keys: constants, no imports
 )

@@ -324,3 +324,52 @@ def test_healthy_canary_goes_from_5_to_100_percent_through_the_steps(
         assert not any(e["action"] == "ROLLBACK" for e in r.events)
         assert r.shares[lang] == {"stable": 0.0, "v2": 100.0}
     assert_answered_once_by_one_arm(r, {"de": 3, "fr": 3})
+
+
+def test_sequential_guard_judges_a_five_percent_canary(
+    kafka_bootstrap: str,  # noqa: F811
+    redis_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`tolk guard --decision sequential` (issue #29) at the issue's 5 % start, where a window
+    holds a few canary replies: German's canary, drilled 3 s slow (over its SLO), is rolled
+    back on the step's accumulated evidence; French goes 5 -> 25 -> 50 -> 100 % once its
+    non-inferiority is shown and each step has lasted its minimum."""
+    r = run_rollout(
+        kafka_bootstrap,
+        redis_url,
+        tmp_path,
+        start_args=["--arm", "v2", "--languages", "de,fr", "--share", "5"],
+        guard_args=[
+            "--decision",
+            "sequential",
+            "--window-s",
+            "2",
+            "--grace-s",
+            "1",
+            "--min-step-s",
+            "4",
+            "--max-rate-increase",
+            "0.2",
+            "--max-slow-increase",
+            "0.2",
+        ],  # fmt: skip
+        rate_per_lang=40.0,
+        conversations=None,  # routed by request id: 5 % of the requests
+        finished=lambda a: {("de", "ROLLBACK"), ("fr", "COMPLETE")} <= a,
+        drill="de:1.0:3000",
+    )
+    de = [e for e in r.events if e["language"] == "de" and e["window_start"] is not None]
+    rollback = next(e for e in de if e["action"] == "ROLLBACK")
+    figures = rollback["figures"]
+    print(f"ROLLOUT de rolled back after {figures['step_canary_requests']:g} canary replies")
+    assert rollback["share_before"] == 5.0 and figures["slow_diff_lower"] > 0.2
+    assert all(e["action"] in ("HOLD", "ROLLBACK") for e in de)
+    steps = [
+        e["share_after"] for e in r.events
+        if e["language"] == "fr" and e["action"] in ("START", "PROMOTE", "COMPLETE")
+    ]  # fmt: skip
+    assert steps == [5.0, 25.0, 50.0, 100.0]
+    assert r.shares["de"] == {"stable": 100.0, "v2": 0.0}
+    assert r.shares["fr"] == {"stable": 0.0, "v2": 100.0}
+    assert_answered_once_by_one_arm(r, {"de": 1, "fr": 3})
