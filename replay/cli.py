@@ -64,6 +64,19 @@ def run(
     max_sends: Annotated[
         int | None, typer.Option(help="Stop (resumable) after N sends in this session.")
     ] = None,
+    stop_when_decided: Annotated[
+        str | None,
+        typer.Option(
+            help="chrf,within_slo: stop sending once every language is decided in these "
+            "(anytime-valid, needs --arms; docs/REPLAY.md)."
+        ),
+    ] = None,
+    margin: Annotated[
+        str | None, typer.Option(help="With --stop-when-decided: margins, chrf=0.02,...")
+    ] = None,
+    slo_ms: Annotated[
+        float, typer.Option(help="With --stop-when-decided: the within-SLO indicator's SLO.")
+    ] = 2000.0,
     run_dir: Annotated[
         Path | None, typer.Option(help="The run directory; an unfinished one is resumed.")
     ] = None,
@@ -76,9 +89,11 @@ def run(
 ) -> None:
     """Stream a conversation log to the request topics in mirror mode and collect every arm's
     replies into a run directory."""
+    from replay.early_stop import parse_stop_metrics
     from replay.job import ReplayConfig, run_replay, summary_json
     from replay.logs import LOG_FORMATS
     from replay.run_dir import RunDirError
+    from replay.sequential import parse_margins
     from topics.admin import TopicAdminError
     from workers.kafka.config import KafkaConnectionError, check_broker
     from workers.settings import Settings
@@ -90,6 +105,12 @@ def run(
     arm_names = _csv(arms)
     if closed_loop and not arm_names:
         _fail("--closed-loop needs --arms (it waits for every arm's answer)")
+    try:
+        stop_metrics, margins = parse_stop_metrics(stop_when_decided), parse_margins(margin)
+    except ValueError as exc:
+        _fail(str(exc))
+    if stop_metrics and len(arm_names) < 2:
+        _fail("--stop-when-decided needs --arms with two or more arms (the first: baseline)")
     settings = Settings.from_env(bootstrap=bootstrap) if bootstrap else Settings.from_env()
     config = ReplayConfig(
         bootstrap=settings.bootstrap,
@@ -107,6 +128,9 @@ def run(
         deadline_s=deadline_s,
         max_duration_s=max_duration_s,
         max_sends=max_sends,
+        stop_when_decided=stop_metrics,
+        margins=margins,
+        slo_ms=slo_ms,
         run_dir=run_dir,
         runs_root=runs_root,
         topic_prefix=settings.topic_prefix,

@@ -63,58 +63,93 @@ class Interval:
         return {"lower": self.lower, "upper": self.upper, "n": self.n, "alpha": self.alpha}
 
 
-def _bets(x: np.ndarray, alpha: float) -> np.ndarray:
-    """The predictable plug-in bet l_i for each observation (uses x_1..x_{i-1} only)."""
-    n = len(x)
-    i = np.arange(1, n + 1, dtype=np.float64)
-    mu = (0.5 + np.cumsum(x)) / (i + 1)  # mu_i, after x_i
-    dev = (x - mu) ** 2
-    s2 = (0.25 + np.cumsum(dev)) / (i + 1)  # s2_i, after x_i
-    s2_before = np.concatenate(([0.25], s2[:-1]))  # s2_{i-1}; s2_0 = 1/4
-    return np.sqrt(2.0 * math.log(2.0 / alpha) / (s2_before * i * np.log1p(i)))
+class RunningCS:
+    """The betting CS of one stream, fed as it grows (`extend`), read at any time
+    (`interval`): a run that checks its evidence every few seconds pays only for what is new.
+    The state is the bets' running sums and, per grid mean, both log-capitals and whether it
+    is still in the CS."""
+
+    def __init__(self, alpha: float = ALPHA, grid: int = GRID) -> None:
+        self.alpha, self.grid = alpha, grid
+        self.means = (np.arange(grid, dtype=np.float64) + 0.5) / grid  # [G] candidate means
+        self.n = 0
+        self._sum = 0.0  # sum of x
+        self._dev = 0.0  # sum of (x_i - mu_i)^2
+        self._log_plus = np.zeros(grid)
+        self._log_minus = np.zeros(grid)
+        self._alive = np.ones(grid, dtype=bool)
+        self._hedged = np.zeros(grid)
+        self._threshold = math.log(1.0 / alpha)
+
+    def _bets(self, x: np.ndarray) -> np.ndarray:
+        """The predictable plug-in bet l_i of each new observation (x_1..x_{i-1} only)."""
+        i = self.n + np.arange(1, len(x) + 1, dtype=np.float64)
+        mu = (0.5 + self._sum + np.cumsum(x)) / (i + 1)  # mu_i, after x_i
+        s2 = (0.25 + self._dev + np.cumsum((x - mu) ** 2)) / (i + 1)  # s2_i, after x_i
+        s2_before = np.concatenate(([(0.25 + self._dev) / (self.n + 1)], s2[:-1]))  # s2_{i-1}
+        return np.sqrt(2.0 * math.log(2.0 / self.alpha) / (s2_before * i * np.log1p(i)))
+
+    def extend(self, x: Sequence[float] | np.ndarray, *, each: bool = False) -> list[Interval]:
+        """Take new observations (in [0, 1]); with `each`, the interval after every one."""
+        xs = np.asarray(x, dtype=np.float64)
+        if xs.size and (xs.min() < 0.0 or xs.max() > 1.0 or not np.isfinite(xs).all()):
+            raise ValueError("betting_cs needs observations in [0, 1]")
+        out: list[Interval] = []
+        m = self.means
+        for start in range(0, len(xs), _CHUNK):
+            xc = xs[start : start + _CHUNK]
+            lc = self._bets(xc)[:, None]  # [T, 1]
+            up = np.minimum(lc, C_TRUNC / m)  # [T, G]
+            down = np.minimum(lc, C_TRUNC / (1.0 - m))
+            lp = self._log_plus + np.cumsum(np.log1p(up * (xc[:, None] - m)), axis=0)
+            lm = self._log_minus + np.cumsum(np.log1p(-down * (xc[:, None] - m)), axis=0)
+            hedged = np.maximum(math.log(THETA) + lp, math.log(1.0 - THETA) + lm)  # [T, G]
+            kept = np.logical_and.accumulate(hedged < self._threshold, axis=0) & self._alive
+            if each:
+                out += [self._hull(kept[t], hedged[t], self.n + t + 1) for t in range(len(xc))]
+            i = self.n + np.arange(1, len(xc) + 1, dtype=np.float64)
+            mu = (0.5 + self._sum + np.cumsum(xc)) / (i + 1)
+            self._dev += float(np.sum((xc - mu) ** 2))
+            self._sum += float(xc.sum())
+            self.n += len(xc)
+            self._log_plus, self._log_minus = lp[-1], lm[-1]
+            self._alive, self._hedged = kept[-1], hedged[-1]
+        return out
+
+    def _hull(self, kept: np.ndarray, hedged: np.ndarray, n: int) -> Interval:
+        """The kept grid means' hull, widened by half a grid step (never too narrow)."""
+        idx, half_step = np.flatnonzero(kept), 0.5 / self.grid
+        if idx.size:
+            lo, hi = self.means[idx[0]] - half_step, self.means[idx[-1]] + half_step
+        else:  # every grid mean rejected: the CS is narrower than the grid; keep its spot
+            j = int(np.argmin(hedged))
+            lo, hi = self.means[j] - half_step, self.means[j] + half_step
+        return Interval(max(0.0, float(lo)), min(1.0, float(hi)), n, self.alpha)
+
+    def interval(self) -> Interval:
+        """The CS now (the whole range before the first observation)."""
+        if self.n == 0:
+            return Interval(0.0, 1.0, 0, self.alpha)
+        return self._hull(self._alive, self._hedged, self.n)
 
 
 def betting_cs(
     x: Sequence[float] | np.ndarray, alpha: float = ALPHA, grid: int = GRID
 ) -> list[Interval]:
     """The running CS for the mean of `x` (values in [0, 1]), one interval per observation."""
-    xs = np.asarray(x, dtype=np.float64)
-    if xs.size and (xs.min() < 0.0 or xs.max() > 1.0 or not np.isfinite(xs).all()):
-        raise ValueError("betting_cs needs observations in [0, 1]")
-    m = (np.arange(grid, dtype=np.float64) + 0.5) / grid  # [G]
-    lam = _bets(xs, alpha)
-    log_plus = np.zeros(grid)
-    log_minus = np.zeros(grid)
-    alive = np.ones(grid, dtype=bool)
-    threshold = math.log(1.0 / alpha)
-    half_step = 0.5 / grid
-    out: list[Interval] = []
-    for start in range(0, len(xs), _CHUNK):
-        xc = xs[start : start + _CHUNK, None]  # [T, 1]
-        lc = lam[start : start + _CHUNK, None]  # [T, 1]
-        up = np.minimum(lc, C_TRUNC / m)  # [T, G]
-        down = np.minimum(lc, C_TRUNC / (1.0 - m))
-        lp = log_plus + np.cumsum(np.log1p(up * (xc - m)), axis=0)  # [T, G]
-        lm = log_minus + np.cumsum(np.log1p(-down * (xc - m)), axis=0)
-        hedged = np.maximum(math.log(THETA) + lp, math.log(1.0 - THETA) + lm)
-        kept = np.logical_and.accumulate(hedged < threshold, axis=0) & alive  # running ∩
-        for t in range(kept.shape[0]):
-            idx = np.flatnonzero(kept[t])
-            n = start + t + 1
-            if idx.size:
-                lo, hi = m[idx[0]] - half_step, m[idx[-1]] + half_step
-            else:  # every grid mean rejected: the CS is narrower than the grid; keep its spot
-                j = int(np.argmin(hedged[t]))
-                lo, hi = m[j] - half_step, m[j] + half_step
-            out.append(Interval(max(0.0, float(lo)), min(1.0, float(hi)), n, alpha))
-        log_plus, log_minus, alive = lp[-1], lm[-1], kept[-1]
-    return out
+    return RunningCS(alpha, grid).extend(x, each=True)
 
 
-def final_cs(x: Sequence[float] | np.ndarray, alpha: float = ALPHA) -> Interval:
+def final_cs(x: Sequence[float] | np.ndarray, alpha: float = ALPHA, grid: int = GRID) -> Interval:
     """The CS after the last observation (the whole range when there is none)."""
-    seq = betting_cs(x, alpha)
-    return seq[-1] if seq else Interval(0.0, 1.0, 0, alpha)
+    cs = RunningCS(alpha, grid)
+    cs.extend(x)
+    return cs.interval()
+
+
+def to_difference(cs: Interval) -> Interval:
+    """A CS of the mean of x = (d + 1) / 2 as one of the mean of d in [-1, 1]."""
+    return Interval(2.0 * cs.lower - 1.0, 2.0 * cs.upper - 1.0, cs.n, cs.alpha)
 
 
 def paired_difference_cs(
@@ -124,9 +159,7 @@ def paired_difference_cs(
     aa, bb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if aa.shape != bb.shape:
         raise ValueError(f"paired scores differ in length: {aa.shape} vs {bb.shape}")
-    x = (np.clip(bb - aa, -1.0, 1.0) + 1.0) / 2.0
-    cs = final_cs(x, alpha)
-    return Interval(2.0 * cs.lower - 1.0, 2.0 * cs.upper - 1.0, cs.n, alpha)
+    return to_difference(final_cs((np.clip(bb - aa, -1.0, 1.0) + 1.0) / 2.0, alpha))
 
 
 def decide(cs: Interval, margin: float, *, higher_is_better: bool = True) -> str:

@@ -15,7 +15,9 @@ matched by request id and attributed to the arm named in their `model_version`
 
 The run ends when every expected arm (`--arms`, else every arm that answered anything) has
 answered every request, or `wait_s` after the last send; it stops early, unfinished, at
-`max_duration_s`, after `max_sends` sends in this session, or on Ctrl-C. An unfinished run
+`max_duration_s`, after `max_sends` sends in this session, or on Ctrl-C; with
+`stop_when_decided` it stops sending once every language is decided and ends finished
+(`replay/early_stop.py`). An unfinished run
 is resumed by running again with its directory: the run's own settings (run.json) apply,
 requests already in requests.jsonl are not sent again, the remaining schedule starts now, and
 replies are read on from the last offset recorded in replies.jsonl. The run directory's format
@@ -38,6 +40,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from replay import run_dir as rd
 from replay.datasets import data_file
+from replay.early_stop import DecisionWatch, stop_setting
 from replay.job_report import NO_ARM, JobReport, ReplyBook
 from replay.logs import KNOWN_LANGUAGES, LogFormat, read_log
 from replay.pacing import Pacer, Planned, schedule, select_records
@@ -77,6 +80,10 @@ class ReplayConfig:
     topic_prefix: str = ""  # in front of request and reply topic names (tests, tenants)
     known_languages: frozenset[str] = KNOWN_LANGUAGES
     progress_every_s: float = 5.0
+    stop_when_decided: tuple[str, ...] = ()  # metrics (replay/early_stop.py); () = never
+    margins: Mapping[str, float] | None = None  # the per-segment verdicts' (replay/sequential)
+    slo_ms: float = 2000.0
+    decide_every_s: float = 5.0
 
 
 def reply_topic_name(run_id: str, prefix: str = "") -> str:
@@ -93,6 +100,7 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
         self.send_failed: list[str] = []
         self.undecodable = 0
         self.created_at: dict[str, int] = {}  # request id -> the request's created_at (epoch ms)
+        self.decided = False
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -131,6 +139,7 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
             "wait_s": cfg.wait_s,
             "deadline_s": cfg.deadline_s,
             "topic_prefix": cfg.topic_prefix,
+            "stop_when_decided": stop_setting(cfg.stop_when_decided, cfg.margins, cfg.slo_ms),
             "finished": False,
             "tolk_commit": rd.tolk_commit(),
             "cpu_model": rd.cpu_model(),
@@ -183,6 +192,7 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
 
     def run(self) -> dict[str, Any]:
         self._open_run()
+        self.watch = DecisionWatch.from_info(self.info)
         plan = self._plan()
         remaining = self._restore(plan)
         self._ensure_topics(sorted({p.record.target_lang for p in plan}))
@@ -225,8 +235,12 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
             self.book.sent[rid] = by_id[rid].index
             self.created_at[rid] = int(req.get("created_at_ms") or 0)
             self.lags.append(abs(float(req["sent_ms"]) - float(req["scheduled_ms"])))
+            if self.watch is not None:
+                self.watch.sent_record(req)
         for reply in self.old_replies:
             self.book.add(str(reply.get("request_id")), reply.get("arm") or NO_ARM)
+            if self.watch is not None:
+                self.watch.replied_record(reply)
         return [p for p in plan if self.request_id(p) not in self.book.sent]
 
     def _connect(self) -> None:
@@ -259,6 +273,7 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
         cfg = self.config
         sends = 0
         next_progress = self.session_start + cfg.progress_every_s * 1000
+        next_decide = self.session_start + cfg.decide_every_s * 1000
         while True:
             now = self.clock()
             if (
@@ -267,14 +282,20 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
             ):
                 self.stop_reason = "max_duration"
                 return False
-            for planned, due in self.pacer.due(now):
+            for planned, due in [] if self.decided else self.pacer.due(now):
                 self._send(planned, due)
                 sends += 1
                 if cfg.max_sends is not None and sends >= cfg.max_sends:
                     self.stop_reason = "max_sends"
                     return False
             self.producer.poll(0)
-            if self.pacer.done() and self._wait_over():
+            if self.watch is not None and not self.decided and now >= next_decide:
+                next_decide = now + cfg.decide_every_s * 1000
+                if verdicts := self.watch.decided():  # anytime-valid: looking costs nothing
+                    self.decided, self.stop_reason = True, "decided"
+                    self.info["stopped_early"] = {"sent": len(self.book.sent), "verdicts": verdicts}
+                    self.echo(f"decided after {len(self.book.sent)} requests: stop sending")
+            if (self.pacer.done() or self.decided) and self._wait_over():
                 return True
             nxt = self.pacer.next_due_ms()
             timeout_s = 0.05 if nxt is None else max(0.0, (nxt - self.clock()) / 1000)
@@ -334,6 +355,8 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
                 self.producer.poll(0.05)
         self.pacer.mark_sent(planned, sent_ms)
         self.book.sent[rid] = planned.index
+        if self.watch is not None:
+            self.watch.sent(rid, rec.target_lang, rec.reference, sent_ms)
         self.created_at[rid] = created_at
         self.last_send_ms = sent_ms
         self.lags.append(abs(sent_ms - due_ms))

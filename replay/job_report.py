@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from replay import run_dir as rd
+from replay.early_stop import DecisionWatch
 from replay.pacing import Pacer
 from schemas.codec import SchemaError, decode_result
 from workers.arms import split_arm
@@ -101,38 +102,42 @@ class JobReport:
     clock: Callable[[], float]  # the run's clock, epoch milliseconds
     replies_out: rd.JsonlWriter
     created_at: dict[str, int]
+    watch: DecisionWatch | None
 
-    def _take_reply(self, msg: Any) -> None:
+    def _take_reply(self, msg: Any) -> dict[str, Any] | None:
+        """Decode, record and count one reply record; the reply as written (None: none)."""
         if msg.error() is not None:
-            return
+            return None
         try:
             result = decode_result(msg.value() or b"")
         except SchemaError:
             self.undecodable += 1
-            return
+            return None
         received_ms = self.clock()
         rid = str(result["request_id"])
         version = str(result.get("model_version") or "")
         arm = arm_of(version)
-        self.replies_out.write(
-            {
-                "request_id": rid,
-                "arm": arm,
-                "model_version": version,
-                "status": str(result["status"]),
-                "text": result.get("text", ""),
-                "error": result.get("error"),
-                "received_ms": received_ms,
-                "created_at_ms": self.created_at.get(rid),
-                "completed_at_ms": result.get("completed_at"),
-                "worker_id": result.get("worker_id"),
-                "metadata": dict(result.get("metadata") or {}),
-                "partition": msg.partition(),
-                "offset": msg.offset(),
-            }
-        )
+        reply = {
+            "request_id": rid,
+            "arm": arm,
+            "model_version": version,
+            "status": str(result["status"]),
+            "text": result.get("text", ""),
+            "error": result.get("error"),
+            "received_ms": received_ms,
+            "created_at_ms": self.created_at.get(rid),
+            "completed_at_ms": result.get("completed_at"),
+            "worker_id": result.get("worker_id"),
+            "metadata": dict(result.get("metadata") or {}),
+            "partition": msg.partition(),
+            "offset": msg.offset(),
+        }
+        self.replies_out.write(reply)
+        if self.watch is not None:  # --stop-when-decided (replay/early_stop.py)
+            self.watch.replied_record(reply)
         if self.book.add(rid, arm or NO_ARM):
             self.pacer.mark_answered(self.book.sent[rid], received_ms)
+        return reply
 
     def _progress_line(self, total: int) -> str:
         counts = self.book.counts()["answered"]
@@ -166,7 +171,10 @@ class JobReport:
             "run_dir": str(self.run_dir),
             "reply_topic": self.info["reply_topic"],
             "finished": finished,
-            "stopped": self.stop_reason if not finished else "done",
+            # "decided": finished early, every language decided (run.json's stopped_early)
+            "stopped": self.stop_reason
+            if not finished or self.stop_reason == "decided"
+            else "done",
             "selected": total,
             "sent": len(self.book.sent),
             "send_failed": len(self.send_failed),

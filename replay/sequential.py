@@ -26,7 +26,7 @@ its verdicts, splits its level.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,10 +108,14 @@ def compare(
     margins: Mapping[str, float],
     slo_ms: float = DEFAULT_SLO_MS,
     alpha: float = confseq.ALPHA,
+    only: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per metric: the CS of mean(B - A) over `rids` (in send order), its verdict, margin, n."""
+    """Per metric (`only` these, else all): the CS of mean(B - A) over `rids` (in send order),
+    its verdict, margin, n."""
     out: dict[str, dict[str, Any]] = {}
     for metric in METRICS:
+        if only is not None and metric.name not in only:
+            continue
         sa: list[float] = []
         sb: list[float] = []
         for rid in rids:

@@ -204,7 +204,7 @@ def guard(
         str,
         typer.Option(
             help="windows: streaks of window verdicts; sequential: anytime-valid confidence "
-            "sequences over each step (docs/OPERATIONS.md)."
+            'sequences over each step (docs/OPERATIONS.md, "Canary rollouts").'
         ),
     ] = "windows",
     alpha: Annotated[

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from replay import confseq
-from replay.confseq import Interval, betting_cs, decide, final_cs, paired_difference_cs
+from replay.confseq import (
+    Interval,
+    RunningCS,
+    betting_cs,
+    decide,
+    final_cs,
+    paired_difference_cs,
+)
 
 
 def _rejected_by_formula(x: np.ndarray, m: float, alpha: float) -> list[bool]:
@@ -88,6 +95,21 @@ def test_the_cs_is_a_running_intersection() -> None:
     uppers = [c.upper for c in seq]
     assert lowers == sorted(lowers) and uppers == sorted(uppers, reverse=True)
     assert [c.n for c in seq] == list(range(1, 801))
+
+
+def test_the_final_cs_is_the_last_of_the_sequence() -> None:
+    x = np.random.default_rng(2).random(1100)  # three chunks
+    assert final_cs(x) == betting_cs(x)[-1]
+    assert final_cs(x[:5], grid=300) == betting_cs(x[:5], grid=300)[-1]
+
+
+def test_a_stream_fed_in_pieces_gives_the_cs_of_the_whole() -> None:
+    x = np.random.default_rng(4).random(900)
+    cs = RunningCS()
+    for a, b in ((0, 1), (1, 7), (7, 600), (600, 900)):
+        cs.extend(x[a:b])
+        assert cs.n == b and cs.interval() == final_cs(x[:b]), b
+    assert RunningCS().interval() == Interval(0.0, 1.0, 0, confseq.ALPHA)
 
 
 def test_observations_outside_the_unit_interval_are_refused() -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from replay import run_dir as rd
 from replay.job import ReplayConfig, run_replay
+from replay.report import write_report
 from tests.kafka_fixtures import unique_name
 from tests.replay.fake_arms import FakeArm
 from topics.admin import ensure_topics
@@ -292,3 +293,49 @@ def test_xsid_replay_carries_real_intent_labels_to_the_report(kafka_bootstrap, p
     for arm in ("A", "B"):
         assert group["arms"][arm]["intent_agreement_n"] == 40
         assert 0.0 <= group["arms"][arm]["intent_agreement"] <= 1.0
+
+
+def test_a_run_stops_sending_once_every_language_is_decided(kafka_bootstrap, prefix, tmp_path):
+    """`--stop-when-decided within_slo,chrf` (issue #29): two arms that answer alike ("[A] x"
+    and "[B] x": nearly the same chrF) are decided equivalent within a 0.2 margin after some
+    dozens of pairs per language; the run then sends nothing more, waits for what it sent, and
+    ends finished with the verdicts in run.json."""
+    a, b = arms(kafka_bootstrap, prefix, "AB")
+    lines: list[str] = []
+    try:
+        summary = run_replay(
+            config(
+                kafka_bootstrap,
+                prefix,
+                tmp_path,
+                limit=400,
+                stop_when_decided=("within_slo", "chrf"),
+                margins={"within_slo": 0.2, "chrf": 0.2},
+                decide_every_s=0.5,
+            ),
+            echo=lines.append,
+        )
+    finally:
+        a.stop()
+        b.stop()
+    print(json.dumps(summary))
+    assert summary["finished"] is True and summary["stopped"] == "decided"
+    assert 60 <= summary["sent"] < 400  # stopped early, after real evidence
+    assert summary["unanswered"] == {"A": 0, "B": 0}  # what was sent was waited for
+    # the checks run in the send loop: they must not hold the sends up (a first sacrebleu
+    # import inside the loop once cost 115 ms; see test_mirror_replay_to_two_arms on the P99)
+    lags = sorted(abs(r["sent_ms"] - r["scheduled_ms"]) for r in requests_of(tmp_path / "run"))
+    assert lags[int(0.9 * len(lags))] < 50
+    info = rd.read_run_info(tmp_path / "run")
+    assert info["stopped_early"]["sent"] <= summary["sent"]
+    assert info["stopped_early"]["verdicts"] == {
+        lang: {"B vs A": {"within_slo": "equivalent", "chrf": "equivalent"}}
+        for lang in ("de", "en")
+    }
+    assert info["stop_when_decided"]["metrics"] == ["within_slo", "chrf"]
+    assert any(line.startswith("decided after") for line in lines)
+    # the report, on everything the run sent, agrees
+    report = write_report(tmp_path / "run", margins={"within_slo": 0.2, "chrf": 0.2})
+    for lang in ("de", "en"):
+        seq = report["groups"][f"language {lang}"]["comparisons"]["B vs A"]["sequential"]
+        assert seq["within_slo"]["verdict"] == seq["chrf"]["verdict"] == "equivalent"
