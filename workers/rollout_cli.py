@@ -203,10 +203,10 @@ def guard(
     decision: Annotated[
         str,
         typer.Option(
-            help="windows: streaks of window verdicts; sequential: anytime-valid confidence "
-            'sequences over each step (docs/OPERATIONS.md, "Canary rollouts").'
+            help="sequential: anytime-valid confidence sequences over each step; windows: "
+            'streaks of window verdicts (docs/OPERATIONS.md, "Canary rollouts").'
         ),
-    ] = "windows",
+    ] = "sequential",
     alpha: Annotated[
         float, typer.Option(help="sequential: false-alarm level, split over languages.")
     ] = 0.05,

@@ -336,6 +336,7 @@ def test_real_workers_roll_german_back_while_french_promotes(
         ),
     }
     guard_options = {
+        "--decision": "windows",  # the drill of issue #14: the window rule
         "--window-s": WINDOW_S,
         "--min-requests": MIN_REQUESTS,
         "--good-windows": 2,

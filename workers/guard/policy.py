@@ -28,7 +28,7 @@ guards running at once.
   that language only), PROMOTE after `good_windows_to_promote` consecutive good ones (the
   next step; COMPLETE at 100 %), HOLD or INCONCLUSIVE otherwise. Below `min_share` the guard
   does not judge (INCONCLUSIVE, "share below minimum").
-* **Sequential mode** (`decision="sequential"`, `workers.guard.sequential`): the step's counts
+* **Sequential mode** (the default; `decision="windows"`: the rule above): the step's counts
   (`RolloutState.step`, in every event's figures) judged by confidence sequences after each
   window: ROLLBACK once harm is shown, PROMOTE once non-inferiority is and `min_step_s` passed.
 * **Idempotent, keyed**: a decision's `event_id` is `<rollout id>/<language>/<window start>`,
@@ -87,7 +87,7 @@ class GuardPolicy:
     max_latency_ratio: float = 1.5  # canary P95 (P99 past the SLO) vs the stable's
     latency_slack_ms: float = 250.0  # added to the ratio bound (small latencies are noisy)
     # sequential mode: max_rate_increase is the bad replies' margin, this the over-SLO ones'
-    decision: str = "windows"  # "windows" | "sequential"
+    decision: str = "sequential"  # "sequential" (issue #29) | "windows"
     alpha: float = 0.05  # false-alarm level, split over `languages` x two metrics
     languages: int = 1  # how many languages the guard judges
     max_slow_increase: float = 0.05

@@ -82,6 +82,8 @@ def _guard(bootstrap: str, prefix: str, app_id: str, replies: str, tmp: Path) ->
             "-m",
             "workers.cli",
             "guard",
+            "--decision",
+            "windows",
             "--window-s",
             str(WINDOW_S),
             "--min-requests",

@@ -22,7 +22,9 @@ from workers.guard.windows import WindowStats
 
 W = 30_000
 SLO = LanguagePolicy(weight=1.0, slo_p99_s=2.0, max_queue=10, max_new_tokens=10)
-POLICY = GuardPolicy(min_requests=10, bad_windows_to_rollback=3, good_windows_to_promote=2)
+POLICY = GuardPolicy(
+    decision="windows", min_requests=10, bad_windows_to_rollback=3, good_windows_to_promote=2
+)
 
 
 def stats(
@@ -134,7 +136,7 @@ def test_the_window_after_a_promotion_is_judged_and_earlier_ones_are_not() -> No
 
 
 def test_below_the_minimum_share_the_guard_does_not_judge() -> None:
-    policy = GuardPolicy(min_share=10.0, good_windows_to_promote=1)
+    policy = GuardPolicy(decision="windows", min_share=10.0, good_windows_to_promote=1)
     d = decide(state(share=5.0), *bad(0), SLO, policy)
     assert d is not None and d.action == "INCONCLUSIVE" and "below minimum" in d.verdict.reasons[0]
 
@@ -158,7 +160,9 @@ def test_withheld_answers_are_judged_by_the_quality_rule_not_the_error_rule() ->
         stats("v2", 0, withheld=8), stats("stable", 0, withheld=5, flagged=2), SLO, POLICY
     )
     assert same.kind == "good"  # 16 % vs 14 %: a small model withholds on either arm
-    few = GuardPolicy(min_requests=3)  # a small window: 4 of 4 withheld, but only 4 (< 5)
+    few = GuardPolicy(
+        decision="windows", min_requests=3
+    )  # a small window: 4 of 4 withheld, but only 4 (< 5)
     assert judge_window(stats("v2", 0, n=4, withheld=4), stats("stable", 0), SLO, few).kind == (
         "good"
     )

@@ -257,6 +257,8 @@ def test_slow_german_canary_rolls_back_while_french_promotes(
         tmp_path,
         start_args=["--arm", "v2", "--languages", "de,fr", "--share", "50", "--steps", "50,100"],
         guard_args=[
+            "--decision",
+            "windows",
             "--window-s",
             str(window_s),
             "--min-requests",
@@ -301,6 +303,8 @@ def test_healthy_canary_goes_from_5_to_100_percent_through_the_steps(
         tmp_path,
         start_args=["--arm", "v2", "--languages", "de,fr", "--share", "5"],
         guard_args=[
+            "--decision",
+            "windows",
             "--window-s",
             "2",
             "--min-requests",
@@ -331,8 +335,8 @@ def test_sequential_guard_judges_a_five_percent_canary(
     redis_url: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """`tolk guard --decision sequential` (issue #29) at the issue's 5 % start, where a window
-    holds a few canary replies: German's canary, drilled 3 s slow (over its SLO), is rolled
+    """`tolk guard` in its default sequential mode (issue #29) at the issue's 5 % start, where
+    a window holds a few canary replies: German's canary, drilled 3 s slow (over its SLO), is rolled
     back on the step's accumulated evidence; French goes 5 -> 25 -> 50 -> 100 % once its
     non-inferiority is shown and each step has lasted its minimum."""
     r = run_rollout(
@@ -341,8 +345,6 @@ def test_sequential_guard_judges_a_five_percent_canary(
         tmp_path,
         start_args=["--arm", "v2", "--languages", "de,fr", "--share", "5"],
         guard_args=[
-            "--decision",
-            "sequential",
             "--window-s",
             "2",
             "--grace-s",

@@ -25,7 +25,7 @@ from workers.guard.windows import WindowStats, over_ms, stats_of
 
 W = 30_000
 MARGINS = {"bad": 0.05, "slow": 0.05}
-POLICY = GuardPolicy(decision="sequential", min_step_s=120.0, languages=2)
+POLICY = GuardPolicy(min_step_s=120.0, languages=2)  # sequential: the default
 
 
 def test_the_upper_bound_with_no_events_is_the_closed_form():
@@ -160,8 +160,8 @@ def test_a_restarted_guard_folds_the_step_counts_back_from_the_events():
 def test_windows_mode_is_unchanged_and_a_bad_decision_name_is_refused():
     with pytest.raises(ValueError, match="decision"):
         GuardPolicy(decision="bayes")
-    windows_mode = GuardPolicy()
-    assert windows_mode.decision == "windows"
+    assert GuardPolicy().decision == "sequential"  # the default (issue #29)
+    windows_mode = GuardPolicy(decision="windows")
     d = decide(_state(25.0), _window("v2", 0, 50), _window("stable", 0, 50), None, windows_mode)
     assert (
         d is not None

@@ -148,7 +148,9 @@ def _core(window_s: float = 2.0) -> tuple[GuardCore, _Writer]:
         replies_topic="r",
         events_topic="e",
         control_topic="c",
-        policy=GuardPolicy(window_s=window_s, min_requests=3, bad_windows_to_rollback=1),
+        policy=GuardPolicy(
+            decision="windows", window_s=window_s, min_requests=3, bad_windows_to_rollback=1
+        ),
         slos={"de": LanguagePolicy(1.0, 2.0, 10, 10)},
         grace_s=1.0,
     )
