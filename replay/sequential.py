@@ -26,7 +26,7 @@ its verdicts, splits its level.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,10 @@ def parse_margins(text: str | None) -> dict[str, float]:
             raise ValueError(
                 f"margin {part!r}: expected METRIC=VALUE, METRIC one of {sorted(margins)}"
             )
-        margin = float(value)
+        try:
+            margin = float(value)
+        except ValueError:
+            margin = -1.0  # not a number: refused below, with the rule
         if not 0.0 < margin < 1.0:
             raise ValueError(f"margin {part!r}: must be in (0, 1), in the score's units")
         margins[name] = margin
@@ -108,14 +111,10 @@ def compare(
     margins: Mapping[str, float],
     slo_ms: float = DEFAULT_SLO_MS,
     alpha: float = confseq.ALPHA,
-    only: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Per metric (`only` these, else all): the CS of mean(B - A) over `rids` (in send order),
-    its verdict, margin, n."""
+    """Per metric: the CS of mean(B - A) over `rids` (in send order), its verdict, margin, n."""
     out: dict[str, dict[str, Any]] = {}
     for metric in METRICS:
-        if only is not None and metric.name not in only:
-            continue
         sa: list[float] = []
         sb: list[float] = []
         for rid in rids:

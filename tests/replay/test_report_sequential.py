@@ -111,6 +111,8 @@ def test_parse_margins():
         sequential.parse_margins("bleu=0.1")
     with pytest.raises(ValueError, match=r"\(0, 1\)"):
         sequential.parse_margins("chrf=2")
+    with pytest.raises(ValueError, match=r"'chrf=two'.*\(0, 1\)"):
+        sequential.parse_margins("chrf=two")
 
 
 def test_the_cli_writes_the_column_and_refuses_an_unknown_margin(run_dir):
