@@ -72,7 +72,8 @@ def run(
         ),
     ] = None,
     margin: Annotated[
-        str | None, typer.Option(help="With --stop-when-decided: margins, chrf=0.02,...")
+        str | None,
+        typer.Option(help="With --stop-when-decided: margins, chrf=0.05,... (default 0.03 each)"),
     ] = None,
     slo_ms: Annotated[
         float, typer.Option(help="With --stop-when-decided: the within-SLO indicator's SLO.")
@@ -158,7 +159,7 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="A run directory of `tolk replay run`.")],
     margin: Annotated[
         str | None,
-        typer.Option(help="Equivalence margins of the per-segment column: chrf=0.02,..."),
+        typer.Option(help="Per-segment equivalence margins: chrf=0.05,... (default 0.03 each)"),
     ] = None,
     slo_ms: Annotated[float, typer.Option(help="The within-SLO indicator's SLO.")] = 2000.0,
 ) -> None:

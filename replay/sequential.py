@@ -17,11 +17,12 @@ Per-segment scores, each in [0, 1], paired by request in send order:
 - off_target: 1 if the OK reply is not in the target language; both OK; lower is better;
 - span_kept: protected spans kept / spans in the source; both OK, the source has spans; higher.
 
-Margins (`DEFAULT_MARGINS`, in the score's units: 0.02 = 2 chrF points or 2 percentage points)
-and the SLO are declared before the run (`tolk replay report --margin chrf=0.03 --slo-ms
-1500`). Each CS is at level alpha on its own (0.05), like the bootstrap intervals: across the
-report's many groups and metrics a few verdicts can be chance; the canary guard, which acts on
-its verdicts, splits its level.
+Margins (`DEFAULT_MARGINS`, in the score's units: 0.03 = 3 chrF points or 3 percentage points;
+the default is what a 400-turn A/A' replay, ~200 turns a language, can show: two identical
+arms' CS is +-0.024 wide there) and the SLO are declared before the run (`tolk replay report
+--margin chrf=0.05 --slo-ms 1500`). Each CS is at level alpha on its own (0.05), like the
+bootstrap intervals: across the report's many groups and metrics a few verdicts can be chance;
+the canary guard, which acts on its verdicts, splits its level.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from replay import confseq, stats
 
 DEFAULT_SLO_MS = 2000.0  # the serving benchmark's goodput SLO (bench/serving.py)
 DEFAULT_MARGINS: dict[str, float] = {
-    "chrf": 0.02,
-    "within_slo": 0.02,
-    "off_target": 0.02,
-    "span_kept": 0.02,
+    "chrf": 0.03,
+    "within_slo": 0.03,
+    "off_target": 0.03,
+    "span_kept": 0.03,
 }
 
 Measure = dict[str, Any]  # one arm's measures of one request (replay.report._measure)

@@ -30,8 +30,8 @@ def _rejected_by_formula(x: np.ndarray, m: float, alpha: float) -> list[bool]:
     for i, xi in enumerate(x, start=1):
         s2_before = (0.25 + dev_sum) / i  # s2_{i-1} = (1/4 + sum_{j<i} (x_j - mu_j)^2) / i
         lam = math.sqrt(2 * math.log(2 / alpha) / (s2_before * i * math.log(1 + i)))
-        k_plus *= 1 + min(lam, 0.5 / m) * (xi - m)
-        k_minus *= 1 - min(lam, 0.5 / (1 - m)) * (xi - m)
+        k_plus *= 1 + min(lam, confseq.C_TRUNC / m) * (xi - m)
+        k_minus *= 1 - min(lam, confseq.C_TRUNC / (1 - m)) * (xi - m)
         total += xi
         mu_i = (0.5 + total) / (i + 1)
         dev_sum += (xi - mu_i) ** 2
