@@ -73,7 +73,7 @@ from workers.stages.faithful.rules import Check, LengthCaps, check
 from workers.stages.retry import RetryJob
 from workers.stages.wrapper import EngineWrapper, merged_runs
 
-log = logging.getLogger("tolk.faithful")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CANDIDATE_KEY",
