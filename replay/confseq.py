@@ -83,13 +83,16 @@ class RunningCS:
         self._hedged = np.zeros(grid)
         self._threshold = math.log(1.0 / alpha)
 
-    def _bets(self, x: np.ndarray) -> np.ndarray:
-        """The predictable plug-in bet l_i of each new observation (x_1..x_{i-1} only)."""
+    def _bets(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The predictable plug-in bet l_i of each new observation (x_1..x_{i-1} only), and
+        the running sums of squared deviations after each (the next bets' variance)."""
         i = self.n + np.arange(1, len(x) + 1, dtype=np.float64)
         mu = (0.5 + self._sum + np.cumsum(x)) / (i + 1)  # mu_i, after x_i
-        s2 = (0.25 + self._dev + np.cumsum((x - mu) ** 2)) / (i + 1)  # s2_i, after x_i
+        dev = self._dev + np.cumsum((x - mu) ** 2)
+        s2 = (0.25 + dev) / (i + 1)  # s2_i, after x_i
         s2_before = np.concatenate(([(0.25 + self._dev) / (self.n + 1)], s2[:-1]))  # s2_{i-1}
-        return np.sqrt(2.0 * math.log(2.0 / self.alpha) / (s2_before * i * np.log1p(i)))
+        bets = np.sqrt(2.0 * math.log(2.0 / self.alpha) / (s2_before * i * np.log1p(i)))
+        return bets, dev
 
     def extend(self, x: Sequence[float] | np.ndarray, *, each: bool = False) -> list[Interval]:
         """Take new observations (in [0, 1]); with `each`, the interval after every one."""
@@ -100,7 +103,8 @@ class RunningCS:
         m = self.means
         for start in range(0, len(xs), _CHUNK):
             xc = xs[start : start + _CHUNK]
-            lc = self._bets(xc)[:, None]  # [T, 1]
+            bets, dev = self._bets(xc)
+            lc = bets[:, None]  # [T, 1]
             up = np.minimum(lc, C_TRUNC / m)  # [T, G]
             down = np.minimum(lc, C_TRUNC / (1.0 - m))
             lp = self._log_plus + np.cumsum(np.log1p(up * (xc[:, None] - m)), axis=0)
@@ -109,9 +113,7 @@ class RunningCS:
             kept = np.logical_and.accumulate(hedged < self._threshold, axis=0) & self._alive
             if each:
                 out += [self._hull(kept[t], hedged[t], self.n + t + 1) for t in range(len(xc))]
-            i = self.n + np.arange(1, len(xc) + 1, dtype=np.float64)
-            mu = (0.5 + self._sum + np.cumsum(xc)) / (i + 1)
-            self._dev += float(np.sum((xc - mu) ** 2))
+            self._dev = float(dev[-1])
             self._sum += float(xc.sum())
             self.n += len(xc)
             self._log_plus, self._log_minus = lp[-1], lm[-1]

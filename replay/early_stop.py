@@ -71,6 +71,7 @@ class DecisionWatch:
         self.requests: dict[str, tuple[str, str | None, float]] = {}  # rid -> lang, ref, sent
         self.measures: dict[str, dict[str, dict[str, Any]]] = {a: {} for a in arms}
         self._waiting: dict[str, None] = {}  # sent, not yet answered by every arm (send order)
+        self._languages: set[str] = set()  # of the requests sent
         self._complete: dict[str, list[str]] = {}  # language -> answered by all, in that order
         self._fed: dict[str, int] = {}  # language -> how many of those the CSs have taken
         self._cs: dict[tuple[str, str, str], confseq.RunningCS] = {}
@@ -83,6 +84,7 @@ class DecisionWatch:
         if request_id not in self.requests:
             self.requests[request_id] = (target_lang, reference, sent_ms)
             self._waiting[request_id] = None
+            self._languages.add(target_lang)
 
     def sent_record(self, request: Mapping[str, Any]) -> None:
         """A line of requests.jsonl."""
@@ -133,7 +135,7 @@ class DecisionWatch:
             if all(rid in self.measures[a] for a in (self.baseline, *self.others)):
                 del self._waiting[rid]
                 self._complete.setdefault(lang, []).append(rid)
-        for lang in sorted({lang for lang, _, _ in self.requests.values()}):
+        for lang in sorted(self._languages):
             out[lang] = {}
             new = self._complete.get(lang, [])[self._fed.get(lang, 0) :]
             self._fed[lang] = self._fed.get(lang, 0) + len(new)
