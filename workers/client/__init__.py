@@ -181,7 +181,7 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
                 **common,
                 "enable.idempotence": True,
                 "acks": "all",
-                "linger.ms": 2,
+                "linger.ms": 0,  # a request goes out at once (see workers/kafka/config.py)
                 "message.timeout.ms": max(1, round(self.delivery_timeout * 1000)),
             }
         )

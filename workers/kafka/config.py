@@ -113,7 +113,10 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "client.id": settings.worker_id,
         "enable.idempotence": True,
         "acks": "all",
-        "linger.ms": 5,
+        # A reply goes out at once: librdkafka's default waits 5 ms to batch, which was 5 ms of
+        # every reply's latency (bench/serving.py stages at 1 req/s: "outside" 8-10 -> 4 ms).
+        # Under load replies still batch: those queued while a produce is in flight go together.
+        "linger.ms": 0,
         # librdkafka retries a produce until this runs out, then reports it failed; the
         # ReplyPublisher retries from there with backoff (300 s default: too long to notice).
         "message.timeout.ms": settings.delivery_timeout_ms,
