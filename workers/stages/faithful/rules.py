@@ -34,6 +34,10 @@ a cap stops them. Each has a detector here, and `check` runs them all:
   confidently in the source language ("untranslated") or a third one ("wrong_language"), by
   lingua among the pair's and a few common languages; short texts are never called. Only when
   the caller gives the source language.
+- `dropped_names` (issue #28, `workers/stages/faithful/names.py`): proper names of the source
+  missing from the translation ("... heute Abend Aquaman sehen." -> "... go to the beach
+  today."). Only with the source language; *observed*, not a problem: counted, but an answer is
+  not retried or withheld for it until its precision is measured (`Check.observed`).
 
 `LengthCaps` is the length guard: per language pair, a cap of `ceil(slope * source tokens +
 intercept)` output tokens fitted on the parallel data in `data/` so that it covers
@@ -58,6 +62,7 @@ from importlib import resources
 from typing import Any
 
 from workers.stages.faithful.language import language_problem
+from workers.stages.faithful.names import dropped_names
 from workers.stages.faithful.numbers import invented_numbers
 from workers.stages.faithful.spans import dropped_spans
 
@@ -201,6 +206,7 @@ class Check:
     invented_numbers: tuple[str, ...] = ()  # digits the source does not hold (numbers.py)
     dropped_spans: tuple[str, ...] = ()  # placeholders, links, ids it lost (spans.py)
     language: str | None = None  # "untranslated" / "wrong_language" (language.py)
+    dropped_names: tuple[str, ...] = ()  # names it lost (names.py): observed only
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -225,6 +231,11 @@ class Check:
     @property
     def suspect(self) -> bool:
         return bool(self.problems)
+
+    @property
+    def observed(self) -> tuple[str, ...]:
+        """What fired among the checks that are counted but make no answer suspect."""
+        return ("name",) if self.dropped_names else ()
 
 
 def check(
@@ -252,6 +263,7 @@ def check(
             if source_lang
             else None
         ),
+        dropped_names=dropped_names(source, translation, source_lang) if source_lang else (),
     )
 
 

@@ -103,7 +103,8 @@ _SEVERITY = {
     "length_guard": 2,
     "ratio": 1,
 }
-CHECKS = tuple(_SEVERITY)  # every check's name (the `check` label of the checks counter)
+OBSERVED = ("name",)  # checks counted without making an answer suspect (rules.Check.observed)
+CHECKS = (*_SEVERITY, *OBSERVED)  # every check's name (the `check` label of the checks counter)
 
 
 class _FaithfulMetrics(Protocol):
@@ -196,6 +197,8 @@ class FaithfulEngine(EngineWrapper):
             job.resolve(result)  # the worker's retry / deadline rules apply
             return
         first = self._check(job, result)
+        for name in first.observed:  # counted only (rules.Check.observed)
+            self._count("checks", job.request.target_lang, name)
         if not first.suspect:
             job.resolve(result)
             return
