@@ -138,11 +138,10 @@ def build_app(config: GuardConfig, core: GuardCore) -> Any:
             return
         for p, offset in sorted(back.items()):
             log.warning(
-                "reply partition %d: committed offset %d is past the restored counts (newest "
-                "%d): reading from %d again",
+                "reply partition %d: committed offset %d is past the restored counts: reading "
+                "from %d again (GuardCore.rewind)",
                 p,
                 mine[p],
-                offset - 1,
                 offset,
             )
         offsets = {TP(config.replies_topic, p): offset for p, offset in back.items()}

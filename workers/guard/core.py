@@ -23,7 +23,13 @@ guard process needs.
   before it is in); the replies between are read again, those already counted are skipped,
   and the counts equal an uninterrupted run's (`tests/workers/guard/test_guard_kafka.py`). A
   partition none of whose updates reached the changelog cannot be told from one with no
-  countable replies and is not rewound.
+  countable replies and is not rewound. The rewind goes `REREAD_MARGIN` records further back
+  than that: they are counted already and skipped, and they absorb a record lost at the seek
+  (a CI run: the restarted guard went on from offset 23 of a partition it had moved back to 22,
+  one reply short in one window; the other two partitions read from their first offset). It
+  never goes back to offset 0: faust-streaming 0.15.3 takes a committed offset of 0 for none
+  (`perform_seek`: `offset if offset else None`), and a guard moved back to 0 on every
+  partition read none of them again (its windows judged on the restored counts alone).
 * **Judging.** A timer (every 0.5 s) judges, for each language in an active rollout, every
   window that has closed: its end plus `grace_s` has passed on the wall clock, and every reply
   partition has been read past it (a reply with a later timestamp processed, or the partition
@@ -48,7 +54,11 @@ from workers.guard.metrics import GuardMetrics
 from workers.guard.policy import GuardPolicy, RolloutState, decide
 from workers.guard.windows import Ignored, add_observation, merge_counts, observe, stats_of
 
-__all__ = ["GuardConfig", "GuardCore", "wall_clock_ms"]
+__all__ = ["REREAD_MARGIN", "GuardConfig", "GuardCore", "wall_clock_ms"]
+
+# records a rewound partition reads again before the first one past the restored counts
+# (never below offset 1: see the module notes)
+REREAD_MARGIN = 8
 
 log = logging.getLogger("tolk.guard")
 
@@ -121,7 +131,8 @@ class GuardCore:
 
     def rewind(self, items: list[tuple[Any, Any]], committed: Mapping[int, int]) -> dict[int, int]:
         """The reply partitions whose committed offset is past the restored table, each with the
-        offset to read from again (one past the newest source offset in the table); `items`:
+        offset to read from again (one past the newest source offset in the table, less
+        `REREAD_MARGIN`, at least 1); `items`:
         the table's raw (key, window range) -> value pairs, `committed`: partition -> committed
         offset. The partitions' read positions go back with them, so no window is judged before
         the replies between are read again."""
@@ -131,7 +142,7 @@ class GuardCore:
             last = int((value or {}).get("last_offset", -1))
             newest[partition] = max(newest.get(partition, -1), last)
         back = {
-            p: newest[p] + 1
+            p: max(1, newest[p] + 1 - REREAD_MARGIN)
             for p, offset in committed.items()
             if p in newest and newest[p] >= 0 and offset > newest[p] + 1
         }
