@@ -98,3 +98,17 @@ def test_the_check_reports_names_without_making_the_answer_suspect() -> None:
     found = check(DEMO_SOURCE, DEMO_ANSWER, [], "en", source_lang="de")
     assert found.dropped_names == ("Aquaman",)
     assert found.observed == ("name",) and "name" not in found.problems
+
+
+def test_the_hand_judged_sample_is_still_flagged() -> None:
+    # data/judged/names.jsonl: 50 of the 266 Gemma 3 answers (of 1,000) the check flagged, drawn
+    # at random and judged by hand (26 lost a name: precision 0.52, why the check is observed
+    # only); a change of the check must keep flagging them as judged, or the sample is redone
+    path = Path(__file__).resolve().parents[2] / "data" / "judged" / "names.jsonl"
+    rows = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+    assert len(rows) == 50
+    for r in rows:
+        got = dropped_names(r["source"], r["output"], r["pair"].split("-")[0])
+        assert list(got) == r["flagged"], r["source"]
+    right = sum(r["judgement"] == "name lost" for r in rows)
+    assert right == 26  # the recorded judgements; PROMPTS.md states the precision from them
