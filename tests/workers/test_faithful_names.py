@@ -66,6 +66,18 @@ def test_dropped_names(source: str, translation: str, lang: str, want: tuple[str
     assert dropped_names(source, translation, lang) == want
 
 
+def test_a_crafted_compound_takes_no_time() -> None:
+    # untrusted text: a word of overlapping listed parts must not take exponential time
+    import time
+
+    parts = {("ab" * 6)[:n] for n in range(4, 11)} | {("ba" * 6)[:n] for n in range(4, 11)}
+    lists = {"de": frozenset(parts)}  # listed parts of 4-10 letters that overlap everywhere
+    word = "Ab" + "ab" * 29 + "x"  # 61 letters, no split ends (unmemoised: ~3x per 4 letters)
+    t0 = time.perf_counter()
+    assert dropped_names(f"Das ist {word} hier.", "That is it.", "de", lists) == (word,)
+    assert time.perf_counter() - t0 < 0.5
+
+
 def test_sentence_starts_and_candidates() -> None:
     text = '"Hallo!" Wie geht es Anna? (Gut.) Danke, Tom'
     assert is_sentence_start(text, text.index("Hallo"))

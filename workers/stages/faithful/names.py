@@ -55,6 +55,7 @@ __all__ = [
 MIN_NAME_CHARS = 3  # shorter capitalised words ("Mr", "OK") are never names here
 MIN_PART_CHARS = 4  # each part of a compound of common words
 PREFIX_FROM_CHARS = 6  # from this length on, a name's stem (all but 2 letters) counts as kept
+MAX_COMPOUND_CHARS = 64  # longer words are not split into listed parts
 
 _WORD = re.compile(r"[^\W\d_][\w'’-]*")
 _QUOTES = "\"'“”„‚‘’«»‹›()[]{}¿¡*-–—•·>"  # skipped when looking for a sentence's end
@@ -138,12 +139,27 @@ def _listed(w: str, common: frozenset[str]) -> bool:
 
 
 def _compound(w: str, common: frozenset[str]) -> bool:
-    for cut in range(MIN_PART_CHARS, len(w) - MIN_PART_CHARS + 1):
-        head, tail = w[:cut], w[cut:]
-        linked = head.endswith("s") and head[:-1] in common
-        if (_listed(head, common) or linked) and (_listed(tail, common) or _compound(tail, common)):
-            return True
-    return False
+    """`w` as listed words run together; each suffix of `w` is judged once (the texts are
+    untrusted: without the memo a crafted word of overlapping listed parts takes exponential
+    time), and words over `MAX_COMPOUND_CHARS` are not split."""
+    if len(w) > MAX_COMPOUND_CHARS:
+        return False
+    memo: dict[int, bool] = {}
+
+    def from_(i: int) -> bool:  # whether w[i:] splits into listed parts (two at least overall)
+        if i in memo:
+            return memo[i]
+        found = False
+        for cut in range(i + MIN_PART_CHARS, len(w) - MIN_PART_CHARS + 1):
+            head, rest = w[i:cut], w[cut:]
+            linked = head.endswith("s") and head[:-1] in common
+            if (_listed(head, common) or linked) and (_listed(rest, common) or from_(cut)):
+                found = True
+                break
+        memo[i] = found
+        return found
+
+    return from_(0)
 
 
 def _kept(name: str, folded_translation: str, spelled_translation: str) -> bool:
