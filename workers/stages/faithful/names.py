@@ -126,10 +126,8 @@ def _is_common(word: str, common: frozenset[str], compounding: bool) -> bool:
     """In the list; for a compounding language also with a noun ending off, or as words of the
     list run together (any number, each of 4+ letters, a linking "s" allowed)."""
     w = word.casefold()
-    if w in common:
-        return True
     if not compounding:
-        return False
+        return w in common
     return _listed(w, common) or _compound(w, common)
 
 
