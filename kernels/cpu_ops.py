@@ -27,6 +27,7 @@ forever, and every later start on the host hangs without a word. So the build ru
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -99,6 +100,16 @@ class BuildFlock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def sources_digest() -> str:
+    """A short hash of the C++ sources: what a measurement of the ops' speed depends on (the
+    worker's start-up probe keys its record by it, so a changed kernel is measured again)."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def error() -> str | None:

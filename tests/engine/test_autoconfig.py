@@ -260,3 +260,21 @@ def test_a_stored_probe_is_reused_only_if_it_measured_what_can_be_chosen() -> No
     assert _covers(eager_only, gates, Overrides(compile_decode=False))
     assert not _covers(eager_only, gates, Overrides())  # compiled decode never measured
     assert _covers(SPEEDS, gates, Overrides())
+
+
+def test_probe_key_changes_with_the_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record measured with other C++ kernels is not read back: a faster int8 loop can change
+    which format wins, so the probe measures again (the key holds the sources' digest)."""
+    from kernels import cpu_ops
+    from workers.engine import autoprobe
+
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"GGUF")
+    key = autoprobe.probe_key(str(weights))
+    assert autoprobe.probe_key(str(weights)) == key  # stable while nothing changes
+    digest = cpu_ops.sources_digest()
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    monkeypatch.setattr(cpu_ops, "sources_digest", lambda: "0" * 16)
+    assert autoprobe.probe_key(str(weights)) != key

@@ -8,10 +8,11 @@ import torch
 from kernels import cpu_ops
 from kernels.int8_linear import int8_linear, int8_linear_reference, quantize_int8
 
-# (M, K, N): decode shapes of SmolLM2 (fused qkv, down), tails in K and N, M past the 4-row
-# tiles, and K past one 4096-column int32 chunk of the VNNI loop
+# (M, K, N): decode shapes of SmolLM2 (fused qkv, down) and Gemma 3, tails in K and N, M at
+# and past the streamed loop's 4 rows (above 4: the 4x4-row tiles), and K past one 4096-column
+# int32 chunk of the VNNI loop (on both loops)
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 575, 577), (5, 64, 6), (33, 576, 192),
-          (2, 9000, 8), (1, 7, 3)]  # fmt: skip
+          (2, 9000, 8), (6, 9000, 5), (1, 7, 3), (4, 640, 1030), (8, 2048, 64)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

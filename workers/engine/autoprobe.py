@@ -3,8 +3,9 @@
 `auto_config(model, cache_root, overrides)` returns the `Choice` of `workers/engine/autoconfig.py`
 and logs it (one line per candidate, then the choice and why). The measurements come from a keyed
 record on disk (`disk_cache.read_record`), keyed by the CPU (model name, flags, core count),
-the model file's hash, torch's and tolk's versions and the intra-op thread count; without one
-(the first start on a machine, or after an upgrade) the probe measures and writes it:
+the model file's hash, torch's and tolk's versions, the C++ kernels' sources and the intra-op
+thread count; without one (the first start on a machine, or after an upgrade) the probe
+measures and writes it:
 
 - each weight format whose recorded quality gate passes (or that the flags name) is loaded
   (from the dequantized checkpoint cache) and run eagerly: `DECODE_STEPS` greedy decode steps
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kernels import cpu_ops
 from workers.engine.autoconfig import (
     FORMATS,
     Candidate,
@@ -86,6 +88,7 @@ def probe_key(model: str) -> str:
         cpu=cpu_fingerprint(),
         model=source,
         tolk=tolk_version(),
+        kernels=cpu_ops.sources_digest(),  # a faster kernel can change the ranking
         torch=torch.__version__,
         threads=torch.get_num_threads(),
     )
