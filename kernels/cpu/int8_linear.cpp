@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <vector>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,9 +80,11 @@ inline void block_avx512(const float* x, int64_t K, const int8_t* w, const float
 // instructions per 32 weights instead of six. Lanes are flushed to float32 every kChunk
 // columns, far below int32 overflow (kChunk / 32 * 2 * 32767 * 127 < 2^31).
 constexpr int64_t kChunk = 4096;
-// up to this many activation rows, weight rows are read one at a time in memory order
-// (rows_vnni_streamed); above it, in 4-row blocks that reuse each widened weight (rows_vnni)
-constexpr int64_t kStreamedMaxRows = 4;
+// up to this many activation rows (at most 4), weight rows are read one at a time in memory
+// order (rows_vnni_streamed); above it, in 4-row blocks that reuse each widened weight
+// (rows_vnni). Which is faster depends on the machine's memory system, so kernels/int8_linear.py
+// times both once per process and sets it (`tolk::int8_linear_streamed_rows`).
+std::atomic<int64_t> g_streamed_max_rows{4};
 
 template <int MT>
 inline void block_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
@@ -273,7 +276,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
     std::vector<float> xs(static_cast<size_t>(M));
     quantize_rows(xp, M, K, Kp, xq.data(), xs.data());
-    if (M <= kStreamedMaxRows) {  // decode at batch <= 4: bound by reading w
+    if (M <= g_streamed_max_rows.load(std::memory_order_relaxed)) {  // small batch: reading w
       at::parallel_for(0, N, grain * kRows, [&](int64_t n0, int64_t n1) {
         rows_vnni_streamed(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, n0, n1);
       });
@@ -293,10 +296,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y.view(out_shape);
 }
 
+// Sets the streamed loop's row limit when `rows` >= 0 (clamped to 0..4; 0: never streamed);
+// returns the limit in force.
+int64_t int8_linear_streamed_rows(int64_t rows) {
+  if (rows >= 0) g_streamed_max_rows.store(std::min<int64_t>(rows, 4));
+  return g_streamed_max_rows.load();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tolk, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool exact_float32=False) -> Tensor");
+  m.def("int8_linear_streamed_rows(int rows=-1) -> int", &int8_linear_streamed_rows);
 }
 
 TORCH_LIBRARY_IMPL(tolk, CPU, m) {

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from kernels import cpu_ops
-from kernels.int8_linear import int8_linear, int8_linear_reference, quantize_int8
+from kernels.int8_linear import (
+    int8_linear,
+    int8_linear_reference,
+    pick_streamed_rows,
+    quantize_int8,
+    streamed_rows,
+)
 
 # (M, K, N): decode shapes of SmolLM2 (fused qkv, down) and Gemma 3, tails in K and N, M at
 # and past the streamed loop's 4 rows (above 4: the 4x4-row tiles), and K past one 4096-column
@@ -38,10 +46,21 @@ def test_exact_float32_loop_matches_reference(cpu_op, m: int, k: int, n: int) ->
     torch.testing.assert_close(y.double(), exact, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+@pytest.fixture(params=[4, 0], ids=["streamed", "blocked"])
+def loop_order(cpu_op, request: pytest.FixtureRequest) -> Iterator[int]:
+    """The VNNI loop's two orders: weight rows in memory order up to 4 activation rows, or
+    4-row blocks at every size; the process's setting restored after the test."""
+    before = streamed_rows()
+    streamed_rows(request.param)
+    yield request.param
+    streamed_rows(before)
+
+
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_default_loop_beats_bfloat16_activations(cpu_op, m: int, k: int, n: int) -> None:
+def test_default_loop_beats_bfloat16_activations(loop_order, m: int, k: int, n: int) -> None:
     # The default (VNNI, 16-bit fixed-point activations) must be closer to the exact result
-    # than rounding the activations to bfloat16 (what torch's int8 CPU kernel does).
+    # than rounding the activations to bfloat16 (what torch's int8 CPU kernel does), in
+    # either loop order.
     x, w, s, exact = _case(m, k, n, seed=1)
     y = int8_linear(x, w, s)
     err = (y.double() - exact).abs().max().item()
@@ -59,6 +78,47 @@ def test_leading_dims_and_fallbacks(cpu_op) -> None:
     yb = int8_linear(x.bfloat16(), w, s)
     assert yb.dtype == torch.bfloat16
     torch.testing.assert_close(yb, int8_linear_reference(x.bfloat16(), w, s))
+
+
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_loop_orders_agree(cpu_op, m: int) -> None:
+    """Both orders sum the same integer products; only the float32 flush of the lanes differs
+    (two int32 chains added per lane in the streamed order): at float32 rounding. (N a multiple
+    of 4: the blocked order leaves the last N % 4 weight rows to the plain float32 loop.)"""
+    x, w, s, _ = _case(m, 640, 1028, seed=2)
+    before = streamed_rows()
+    try:
+        streamed_rows(4)
+        streamed = torch.ops.tolk.int8_linear(x, w, s)
+        streamed_rows(0)
+        blocked = torch.ops.tolk.int8_linear(x, w, s)
+    finally:
+        streamed_rows(before)
+    torch.testing.assert_close(streamed, blocked, atol=1e-5 * blocked.abs().max().item(), rtol=0)
+
+
+def test_probe_sets_a_limit_and_says_why(cpu_op, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe times both orders on a matrix past the caches and keeps the faster (a smaller
+    matrix here: the choice is not asserted, only that it is one the op applies)."""
+    from kernels import int8_linear as mod
+
+    monkeypatch.setattr(mod, "PROBE_ROWS", 4096)
+    monkeypatch.setattr(mod, "PROBE_REPEATS", 2)
+    before = streamed_rows()
+    try:
+        choice = pick_streamed_rows(force=True)
+        assert choice is not None and choice.rows in (0, 1, 4)
+        assert streamed_rows() == choice.rows
+        assert set(choice.streamed_ms) == set(choice.blocked_ms) == {1, 4}
+        assert all(t > 0 for t in (*choice.streamed_ms.values(), *choice.blocked_ms.values()))
+        faster_at_1 = choice.streamed_ms[1] < choice.blocked_ms[1]
+        assert (choice.rows > 0) == faster_at_1
+        assert "activation rows" in choice.describe()
+        assert pick_streamed_rows() is choice  # once per process unless forced
+    finally:
+        streamed_rows(before)
+    assert streamed_rows(7) == 4  # clamped to the streamed loop's four rows
+    streamed_rows(before)
 
 
 def test_op_rejects_bad_input(cpu_op) -> None:

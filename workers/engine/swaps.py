@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from kernels import cpu_ops
 from kernels.greedy_head import Int8Screen
 from kernels.int4_linear import int4_linear, quantize_int4, supports
-from kernels.int8_linear import int8_linear, quantize_int8
+from kernels.int8_linear import int8_linear, pick_streamed_rows, quantize_int8
 from workers.engine.hugepages import to_huge_pages
 from workers.engine.linear_backends import ProbedLinear, probed_linears_available
 
@@ -62,6 +62,7 @@ class WeightOnlyInt8Linear(nn.Module):
         self.register_buffer("scales", scales.to(linear.weight.device))  # float32 [N]
         if q.device.type == "cpu":
             cpu_ops.load()  # build the C++ ops now, not inside the first (compiled) step
+            pick_streamed_rows()  # the op's loop order for this machine, once per process
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:  # torch's own CPU kernel
@@ -187,6 +188,7 @@ def screen_lm_head(model: nn.Module) -> Int8Screen | None:
     if cached is not None and cached[0] == key:
         return cast(Int8Screen, cached[1])
     screen = Int8Screen.build(weight)
+    pick_streamed_rows()  # the screen's int8 logits run the op too
     (q,) = to_huge_pages([screen.q])
     screen = Int8Screen(q, screen.scales, screen.act, screen.wt)
     model.__dict__["_tolk_lm_screen"] = (key, screen)  # a plain attribute, not a buffer
