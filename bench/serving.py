@@ -261,6 +261,9 @@ def report(args: argparse.Namespace, points: list[dict[str, Any]], runs: list[JS
             "p*_s": "nearest rank over all offered requests, a miss counted infinite (null: "
             "the percentile fell on a miss)",
             "p*_ok_s": "nearest rank over OK replies only",
+            "p*_served_s": "nearest rank over all offered requests, an answer the "
+            "faithfulness checks withheld counted at its reply's latency (a quality outcome, "
+            "counted apart), every other miss infinite",
             "ttft": "latency - the reply's decode time",
             "goodput": f"OK within {args.slo:g} s / offered (EXPIRED, REJECTED, ERROR, "
             "WITHHELD, TIMEOUT, NOT_DELIVERED are misses)",
@@ -271,6 +274,9 @@ def report(args: argparse.Namespace, points: list[dict[str, Any]], runs: list[JS
         "runs": runs,
         "summary": summary,
         "max_rate_within_slo": max_rates(runs, args.slo, sweep) if sweep else None,
+        "max_rate_within_slo_served": (
+            max_rates(runs, args.slo, sweep, "p99_served_s") if sweep else None
+        ),
         "ratios_tolk_over": ratios(summary),
         "logs": str(logs),
     }

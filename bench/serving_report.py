@@ -4,7 +4,8 @@ Input: the runs of `bench/serving.py` (one per system x repeat x load point, eac
 figures of `serving_stats.language_figures` per language and for all languages pooled).
 Output: per system, point and language each figure's interval over the repeats
 (`serving_stats.interval`), the highest swept total rate whose P99 (over offered requests,
-misses infinite) stays within the SLO in every repeat and language, and tolk's figures
+misses infinite) stays within the SLO in every repeat and language (and the same with
+withheld answers counted apart, at their latency: `p99_served_s`), and tolk's figures
 divided by each anchor's (mean over repeats; < 1 is tolk faster for latencies, > 1 is tolk
 better for goodput). The PNG shows P99 and goodput against the total rate, one line per
 system and language; a P99 that fell on a miss is drawn at the top of the axis with an x.
@@ -22,10 +23,11 @@ from bench.serving_stats import interval, max_rate_within_slo
 __all__ = ["plot", "ratios", "summarize"]
 
 FIGURES = (
-    "p50_s", "p95_s", "p99_s", "p50_ok_s", "p95_ok_s", "p99_ok_s", "goodput",
-    "ttft_p50_s", "ttft_p99_s", "throughput_ok_per_s", "mean_tokens_out",
+    "p50_s", "p95_s", "p99_s", "p50_ok_s", "p95_ok_s", "p99_ok_s", "p50_served_s",
+    "p99_served_s", "goodput", "withheld", "ttft_p50_s", "ttft_p99_s", "throughput_ok_per_s",
+    "mean_tokens_out",
 )  # fmt: skip
-RATIO_FIGURES = ("p50_s", "p95_s", "p99_s", "p50_ok_s", "p99_ok_s", "goodput")
+RATIO_FIGURES = ("p50_s", "p95_s", "p99_s", "p50_ok_s", "p99_ok_s", "p99_served_s", "goodput")
 
 
 def summarize(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -66,15 +68,19 @@ def _sum_statuses(items: Any) -> dict[str, int]:
 
 
 def max_rates(
-    runs: Sequence[Mapping[str, Any]], slo_s: float, sweep_points: Sequence[str]
+    runs: Sequence[Mapping[str, Any]],
+    slo_s: float,
+    sweep_points: Sequence[str],
+    figure: str = "p99_s",
 ) -> dict[str, float | None]:
-    """Per system: the highest swept total rate within the SLO (serving_stats)."""
+    """Per system: the highest swept total rate within the SLO (serving_stats), judged on
+    `figure` (`p99_s`: every miss infinite; `p99_served_s`: withheld answers counted apart)."""
     by_system: dict[str, dict[float, list[float | None]]] = {}
     for run in runs:
         if "languages" not in run or run["point"] not in sweep_points:
             continue
         p99s = by_system.setdefault(run["system"], {}).setdefault(float(run["total_rate"]), [])
-        p99s += [f["p99_s"] for lang, f in run["languages"].items() if lang != "all"]
+        p99s += [f.get(figure) for lang, f in run["languages"].items() if lang != "all"]
     return {system: max_rate_within_slo(p99s, slo_s) for system, p99s in by_system.items()}
 
 

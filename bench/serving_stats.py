@@ -18,6 +18,11 @@ Definitions (the ones DistServe, vLLM's `bench serve` and MLPerf Server use, mad
   counted as an infinite latency (None in the JSON when the percentile falls on a miss), so a
   system cannot improve its tail by turning requests away. The highest rate within the SLO
   uses the latter.
+* **Withheld answers counted apart** (issue #28: a quality outcome, not a service error):
+  `p*_served_s` are over all offered requests too, with an answer the faithfulness checks
+  withheld counted at its reply's latency (the service answered, in time or not, and said
+  why) and every service miss (EXPIRED, REJECTED, ERROR, TIMEOUT, NOT_DELIVERED) infinite.
+  Goodput still counts a withheld answer as a miss; `withheld` is its share of offered.
 * Repeats: each figure's mean, min, max and a Student-t 95 % interval of the mean.
 """
 
@@ -33,6 +38,7 @@ from workers.loadtest.report import nearest_rank
 
 __all__ = [
     "MISS_STATUSES",
+    "QUALITY_STATUSES",
     "Outcome",
     "arrival_times",
     "interval",
@@ -47,6 +53,7 @@ __all__ = [
 
 PERCENTILES = (50.0, 95.0, 99.0)
 MISS_STATUSES = ("EXPIRED", "REJECTED", "ERROR", "WITHHELD", "TIMEOUT", "NOT_DELIVERED")
+QUALITY_STATUSES = ("WITHHELD",)  # replies a quality check decided: counted apart in p*_served_s
 # two-sided 95 % Student t quantiles by degrees of freedom (n - 1)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}  # fmt: skip
@@ -181,6 +188,13 @@ def language_figures(
         statuses[o.status] = statuses.get(o.status, 0) + 1
     ok = [o.latency_s for o in outcomes if o.ok and o.latency_s is not None]
     offered = [o.latency_s if (o.ok and o.latency_s is not None) else math.inf for o in outcomes]
+    served = [
+        o.latency_s
+        if (o.ok or o.status in QUALITY_STATUSES) and o.latency_s is not None
+        else math.inf
+        for o in outcomes
+    ]
+    withheld = sum(1 for o in outcomes if o.status in QUALITY_STATUSES)
     good = sum(1 for x in ok if x <= slo_s)
     ttft = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
     n = len(outcomes)
@@ -190,6 +204,7 @@ def language_figures(
         "ok": len(ok),
         "good": good,
         "goodput": round(good / n, 4) if n else None,
+        "withheld": round(withheld / n, 4) if n else None,
         "statuses": dict(sorted(statuses.items())),
         "throughput_ok_per_s": round(len(ok) / window_s, 4) if window_s > 0 else None,
     }
@@ -197,6 +212,8 @@ def language_figures(
         out[f"p{q:g}_s"] = _r(percentile(offered, q))
     for q in PERCENTILES:
         out[f"p{q:g}_ok_s"] = _r(percentile(ok, q))
+    for q in PERCENTILES:
+        out[f"p{q:g}_served_s"] = _r(percentile(served, q))
     for q in (50.0, 99.0):
         out[f"ttft_p{q:g}_s"] = _r(percentile(ttft, q))
     out["mean_tokens_out"] = (

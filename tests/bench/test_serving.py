@@ -117,6 +117,23 @@ def test_dropping_work_never_raises_goodput_or_lowers_the_offered_tail() -> None
     assert b["p99_ok_s"] < a["p99_ok_s"]  # the OK-only tail does improve: why p99_s exists
 
 
+def test_withheld_answers_are_counted_apart_in_the_served_tail() -> None:
+    """A withheld answer (a quality decision, issue #28) counts at its reply's latency in
+    `p*_served_s` and as a miss everywhere else; a service miss stays infinite in both."""
+    oks = [_ok(0.2 + 0.01 * i) for i in range(97)]
+    withheld = [Outcome("de", "WITHHELD", 0.4), Outcome("de", "WITHHELD", 0.5)]
+    f = language_figures(oks + withheld + [_ok(0.3)], slo_s=2.0, rate=1.0, window_s=100.0)
+    assert f["p99_s"] is None  # over offered, withheld is a miss: the tail falls on one
+    assert f["p99_served_s"] == pytest.approx(1.15)  # counted apart: the tail is an OK reply
+    assert f["withheld"] == 0.02 and f["goodput"] == 0.98  # goodput still counts it a miss
+    rejected = [Outcome("de", "REJECTED", 0.001)] * 2
+    late = language_figures(oks[:96] + withheld + rejected, slo_s=2.0, rate=1.0, window_s=100.0)
+    assert late["p99_served_s"] is None  # a service miss in the tail stays a miss
+    slow_withheld = [Outcome("de", "WITHHELD", 5.0)] * 2
+    g = language_figures(oks + slow_withheld + [_ok(0.3)], slo_s=2.0, rate=1.0, window_s=100.0)
+    assert g["p99_served_s"] == 5.0  # a withheld answer's own latency counts in that tail
+
+
 def test_percentile_nearest_rank() -> None:
     xs = [float(i) for i in range(1, 101)]
     random.Random(0).shuffle(xs)
@@ -266,6 +283,12 @@ def test_summary_ratios_max_rate_and_plot(tmp_path: Path) -> None:
     de = summary["tolk"]["2"]["languages"]["de"]
     assert de["p99_s"]["mean"] == 1.5 and de["p99_s"]["n"] == 2 and de["statuses"] == {"OK": 20}
     assert max_rates(runs, 2.0, ["1", "2", "4"]) == {"tolk": 2.0, "llama-http": 1.0}
+    # judged on the served tail (withheld counted apart): the runs' own p99_served_s figures
+    for run in runs:
+        for fig in run["languages"].values():
+            fig["p99_served_s"] = 0.5 if run["system"] == "tolk" else fig["p99_s"]
+    served = max_rates(runs, 2.0, ["1", "2", "4"], "p99_served_s")
+    assert served == {"tolk": 4.0, "llama-http": 1.0}
     r = ratios(summary)["llama-http"]
     assert r["1"]["de"]["p99_s"] == 0.5 and r["1"]["de"]["goodput"] == pytest.approx(1.111, 1e-3)
     assert r["2"]["de"]["p99_s"] is None  # the anchor's P99 was a miss
