@@ -21,10 +21,12 @@ The kind of benchmark DistServe, vLLM's `bench serve` and MLPerf Server run, ove
   - `llama-kafka`: the same server behind a minimal bolt-on Kafka consumer, driven by the
     same client as tolk (bench/serving_llamaserver.py).
 * **Figures** per system, point and language (bench/serving_stats.py): P50/P95/P99 from the
-  scheduled send (over all offered requests, misses infinite; and over OK replies), TTFT,
-  goodput (OK within `--slo` / offered: EXPIRED, REJECTED, ERROR, WITHHELD, TIMEOUT are
-  misses), statuses; over `--repeats`: mean, min, max, t-interval. Then the highest swept
-  rate within the SLO per system and tolk / anchor ratios (bench/serving_report.py).
+  scheduled send (over all offered requests, misses infinite; over OK replies; and over all
+  offered with withheld answers counted apart, at their reply's latency: a quality outcome,
+  issue #28), TTFT, goodput (OK within `--slo` / offered: EXPIRED, REJECTED, ERROR, WITHHELD,
+  TIMEOUT are misses), statuses; over `--repeats`: mean, min, max, t-interval. Then the
+  highest swept rate within the SLO per system (strict, and with withheld answers counted
+  apart) and tolk / anchor ratios (bench/serving_report.py).
 
 JSON on stdout (and `--out`), a PNG of P99 and goodput against rate (`--plot`, default next
 to `--out`). Needs the local stack (`bash compose/stack.sh up`); every run uses fresh topics.
@@ -236,7 +238,8 @@ def summary_line(row: JSON) -> str:
     for lang, f in row["languages"].items():
         parts.append(
             f"{lang} P50 {_s(f['p50_s'])} P95 {_s(f['p95_s'])} P99 {_s(f['p99_s'])} "
-            f"goodput {f['goodput']} {f['statuses']};"
+            f"(withheld apart {_s(f.get('p99_served_s'))}) goodput {f['goodput']} "
+            f"{f['statuses']};"
         )
     return " ".join(parts) + f" load {row['loadavg_at_start']}"
 

@@ -33,6 +33,12 @@
 namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per inner block
+// Up to this many activation rows (at most 4), the VNNI loop reads weight rows one at a time in
+// memory order (rows_vnni_streamed); above it, in 4-row blocks that reuse each widened weight
+// (rows_vnni). Which is faster depends on the machine's memory system, so kernels/int8_linear.py
+// times both once per process and sets it (`tolk::int8_linear_streamed_rows`; without VNNI the
+// setting has no effect).
+std::atomic<int64_t> g_streamed_max_rows{4};
 
 #ifdef TOLK_AVX512
 // MT activation rows x 4 weight rows starting at n.
@@ -80,11 +86,6 @@ inline void block_avx512(const float* x, int64_t K, const int8_t* w, const float
 // instructions per 32 weights instead of six. Lanes are flushed to float32 every kChunk
 // columns, far below int32 overflow (kChunk / 32 * 2 * 32767 * 127 < 2^31).
 constexpr int64_t kChunk = 4096;
-// up to this many activation rows (at most 4), weight rows are read one at a time in memory
-// order (rows_vnni_streamed); above it, in 4-row blocks that reuse each widened weight
-// (rows_vnni). Which is faster depends on the machine's memory system, so kernels/int8_linear.py
-// times both once per process and sets it (`tolk::int8_linear_streamed_rows`).
-std::atomic<int64_t> g_streamed_max_rows{4};
 
 // acc += pairwise products of a and b (vpdpwssd), the accumulator updated in place. With the
 // intrinsic `_mm512_dpwssd_epi32`, GCC 12 copied each of block_vnni's 16 accumulators to a
