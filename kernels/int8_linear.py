@@ -93,7 +93,7 @@ def _best_ms(x: Tensor, w: Tensor, scales: Tensor) -> float:
 def pick_streamed_rows(force: bool = False) -> StreamedRowsChoice | None:
     """Time the streamed and blocked orders at 1 and 4 activation rows on an int8 matrix larger
     than the caches, set the faster (`streamed_rows`), log it and return what was measured.
-    Once per process (`force`: again); None without the C++ op. ~0.5 s on two cores."""
+    Once per process (`force`: again); None without the C++ op. ~0.3 s on two cores."""
     global _picked
     if not cpu_ops.load():
         return None
