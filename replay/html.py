@@ -213,14 +213,11 @@ def deltas_png(report: dict[str, Any], title: str) -> str | None:
     for ax, (name, rows) in zip(axes.flat, entries.items(), strict=False):
         for y, (_, m) in enumerate(rows):
             colour = VERDICT_COLOURS.get(m["verdict"], "black")
-            ax.errorbar(
-                m["estimate"],
-                y,
-                xerr=[[m["estimate"] - m["low"]], [m["high"] - m["estimate"]]],
-                fmt="o",
-                color=colour,
-                capsize=3,
-            )
+            # the interval as a line and the estimate as a point: an estimate may lie outside
+            # its interval (a running intersection of confidence sequences), which errorbar's
+            # non-negative lengths cannot draw (it raised on one CI run)
+            ax.hlines(y, m["low"], m["high"], color=colour)
+            ax.plot([m["estimate"]], [y], "o", color=colour)
         ax.axvline(0.0, color="black", linewidth=0.8)
         ax.set_yticks(range(len(rows)), [g for g, _ in rows], fontsize=7)
         ax.set_ylim(-0.7, len(rows) - 0.3)
