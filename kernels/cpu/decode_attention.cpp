@@ -7,8 +7,12 @@
 //
 // One task per (row, KV head): the G = H / KVH query heads of that KV head are scored together
 // against each visible position (each K row read once for all G), soft-capped if asked, then a
-// float32 softmax per head and the weighted sum of V rows. The same function as the torch path
-// in kernels/attention.py (`decode_attention_reference`), up to float rounding.
+// float32 softmax per head and the weighted sum of V rows (each V row read once for all G).
+// When there are fewer tasks than threads (batch 1 of a model with one KV head, Gemma 3 270M:
+// one task, so one core idle), each task's positions are split into chunks, one per thread
+// (flash-decoding): a chunk keeps its running max, its sum of exponentials and its unnormalised
+// output, and the chunks are merged by rescaling to the common max. The same function as the
+// torch path in kernels/attention.py (`decode_attention_reference`), up to float rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +25,7 @@
 namespace {
 
 constexpr int64_t kAhead = 16;  // positions prefetched ahead
+constexpr int64_t kMinChunk = 64;  // positions a split chunk holds at least
 
 // 16 independent lanes (vectorized without reassociating a single sum), then the tail
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -65,10 +70,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const float cap = capped ? static_cast<float>(*softcap) : 1.f;
   const int64_t row_stride = KVH * D;  // between consecutive slots of a block
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(static_cast<size_t>(G * L));
+  // chunks per task: one unless threads would idle, and never shorter than kMinChunk positions
+  const int64_t tasks = B * KVH, threads = at::get_num_threads();
+  const int64_t S = tasks >= threads ? 1
+                                     : std::max<int64_t>(1, std::min((threads + tasks - 1) / tasks,
+                                                                     L / kMinChunk));
+  // per (task, chunk, head): running max, sum of exponentials, unnormalised output [D]
+  std::vector<float> part_max(static_cast<size_t>(tasks * S * G));
+  std::vector<float> part_sum(static_cast<size_t>(tasks * S * G));
+  std::vector<float> part_out(static_cast<size_t>(tasks * S * G * D), 0.f);
+
+  at::parallel_for(0, tasks * S, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
     std::vector<int64_t> slots(static_cast<size_t>(L));
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t t = item / S, chunk = item % S;
       const int64_t b = t / KVH, kh = t % KVH;
       // visible positions -> their slots in the pool
       int64_t m = 0;
@@ -78,9 +94,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
         for (int64_t s = 0; s < BS; ++s)
           if (mp[b * L + i * BS + s]) slots[static_cast<size_t>(m++)] = blk * BS + s;
       }
+      const int64_t j0 = m * chunk / S, j1 = m * (chunk + 1) / S, len = j1 - j0;
+      scores.resize(static_cast<size_t>(G * std::max<int64_t>(len, 1)));
       const float* qh = qp + (b * H + kh * G) * D;  // the G query heads of this KV head
-      for (int64_t j = 0; j < m; ++j) {
-        if (j + kAhead < m) {  // the pool is read by slot: prefetch rows the hardware won't
+      for (int64_t j = j0; j < j1; ++j) {
+        if (j + kAhead < j1) {  // the pool is read by slot: prefetch rows the hardware won't
           const int64_t ahead = slots[static_cast<size_t>(j + kAhead)] * row_stride + kh * D;
           for (int64_t d = 0; d < D; d += 16) {
             __builtin_prefetch(kp + ahead + d);
@@ -89,32 +107,58 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
         }
         const float* kr = kp + slots[static_cast<size_t>(j)] * row_stride + kh * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float* qr = qh + g * D;
-          float s = dot(qr, kr, D) * sc;
+          float s = dot(qh + g * D, kr, D) * sc;
           if (capped) s = std::tanh(s / cap) * cap;
-          scores[static_cast<size_t>(g * L + j)] = s;
+          scores[static_cast<size_t>(g * len + (j - j0))] = s;
         }
       }
+      const int64_t part = item * G;  // (t * S + chunk) * G
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
+        float* sg = scores.data() + g * len;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < m; ++j) mx = std::max(mx, sg[j]);
+        for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
         float sum = 0.f;
-        for (int64_t j = 0; j < m; ++j) {
+        for (int64_t j = 0; j < len; ++j) {
           sg[j] = std::exp(sg[j] - mx);
           sum += sg[j];
         }
-        const float inv = m > 0 ? 1.f / sum : 0.f;
-        float* o = op + (b * H + kh * G + g) * D;
-        for (int64_t j = 0; j < m; ++j) {
-          const float p = sg[j] * inv;
-          const float* vr = vp + slots[static_cast<size_t>(j)] * row_stride + kh * D;
+        part_max[static_cast<size_t>(part + g)] = mx;
+        part_sum[static_cast<size_t>(part + g)] = sum;
+      }
+      float* po = part_out.data() + part * D;
+      for (int64_t j = 0; j < len; ++j) {  // each V row once, for all G heads
+        const float* vr = vp + slots[static_cast<size_t>(j0 + j)] * row_stride + kh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[static_cast<size_t>(g * len + j)];
+          float* o = po + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
         }
       }
     }
   });
+
+  // merge the chunks of each (task, head): rescale to the common max, normalise once
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t b = t / KVH, kh = t % KVH;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < S; ++c)
+        mx = std::max(mx, part_max[static_cast<size_t>((t * S + c) * G + g)]);
+      if (mx == -std::numeric_limits<float>::infinity()) continue;  // nothing visible: zeros
+      float total = 0.f;
+      float* o = op + (b * H + kh * G + g) * D;
+      for (int64_t c = 0; c < S; ++c) {
+        const size_t part = static_cast<size_t>((t * S + c) * G + g);
+        const float w = std::exp(part_max[part] - mx);  // 0 for an empty chunk
+        total += w * part_sum[part];
+        const float* po = part_out.data() + part * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * po[d];
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
   return out;
 }
 

@@ -20,7 +20,7 @@ import torch
 from kernels import cpu_ops
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.prepare import Preparation, PreparationMismatch, prepare_model
-from workers.engine.swaps import fuse_qkv, pack_linears
+from workers.engine.swaps import fuse_gate_up, fuse_qkv, pack_linears
 from workers.engine.types import GenerationRequest, SamplingParams
 
 VOCAB = 256
@@ -92,7 +92,7 @@ def test_two_engines_over_one_model_give_transformers_tokens(
 
 
 @pytest.mark.parametrize(
-    "swap,value", [("quantize", "int8"), ("pack_weights", False), ("fuse_qkv", False)]
+    "swap,value", [("quantize", "int8"), ("pack_weights", False), ("fuse_projections", False)]
 )
 def test_an_engine_asking_for_other_swaps_is_refused(
     swap: str, value: Any, tiny_config: Any, tiny_models: Any
@@ -115,7 +115,7 @@ def test_an_engine_asking_for_other_swaps_is_refused(
 def test_a_prepared_model_is_taken_as_is_or_refused(tiny_config: Any, tiny_models: Any) -> None:
     _, loaded = tiny_models(tiny_config("llama", vocab_size=VOCAB))
     prepared = prepare_model(loaded, Preparation(quantize="int8"))
-    assert prepared.int8_linears == 2 * 5 + 1  # fused qkv, o, gate, up, down; + the LM head
+    assert prepared.int8_linears == 2 * 4 + 1  # fused qkv, o, fused gate/up, down; + the LM head
     engine = Engine(prepared, dataclasses.replace(CONFIG, quantize="int8"))
     assert engine.prepared is prepared and engine.loaded is loaded
     with pytest.raises(PreparationMismatch, match="quantize: prepared 'int8', asked None"):
@@ -127,13 +127,17 @@ def test_int4_preparation_counts_its_formats(tiny_config: Any, tiny_models: Any)
     # (intermediate 48) and the LM head stay int8
     _, loaded = tiny_models(tiny_config("llama", vocab_size=VOCAB, intermediate_size=48))
     prepared = prepare_model(loaded, Preparation(quantize="int4"))
-    assert prepared.int4_linears == 2 * 4  # fused qkv, o, gate, up
+    assert prepared.int4_linears == 2 * 3  # fused qkv, o, fused gate/up
     assert prepared.int8_linears == 2 * 1 + 1  # down; + the LM head
 
 
 @pytest.mark.parametrize(
     "preparation",
-    [Preparation(), Preparation(quantize="int8"), Preparation(fuse_qkv=False, pack_weights=False)],
+    [
+        Preparation(),
+        Preparation(quantize="int8"),
+        Preparation(fuse_projections=False, pack_weights=False),
+    ],
     ids=["default", "int8", "plain"],
 )
 def test_preparing_twice_is_idempotent(
@@ -142,14 +146,16 @@ def test_preparing_twice_is_idempotent(
     _, loaded = tiny_models(tiny_config("llama", vocab_size=VOCAB))
     first = prepare_model(loaded, preparation)
     modules = dict(loaded.model.named_modules())
-    counts = (first.fused_attentions, first.int8_linears, first.packed_linears)
+    counts = (first.fused_attentions, first.fused_mlps, first.int8_linears, first.packed_linears)
     again = prepare_model(loaded, preparation)
     assert again is first
     assert dict(loaded.model.named_modules()) == modules  # the very same module objects
-    assert (again.fused_attentions, again.int8_linears, again.packed_linears) == counts
-    assert first.fused_attentions == (2 if preparation.fuse_qkv else 0)
-    if preparation.fuse_qkv or preparation.pack_weights:
-        assert fuse_qkv(loaded.model) == 0 and pack_linears(loaded.model) == 0  # nothing left
+    assert (again.fused_attentions, again.fused_mlps, again.int8_linears,
+            again.packed_linears) == counts  # fmt: skip
+    assert first.fused_attentions == first.fused_mlps == (2 if preparation.fuse_projections else 0)
+    if preparation.fuse_projections or preparation.pack_weights:
+        assert fuse_qkv(loaded.model) == 0 and fuse_gate_up(loaded.model) == 0
+        assert pack_linears(loaded.model) == 0  # nothing left
 
 
 def test_unknown_quantization_is_refused_before_any_swap(

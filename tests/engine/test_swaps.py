@@ -1,5 +1,6 @@
-"""Runtime swaps: probed projections replace float32 Linears; fused q/k/v is bit-identical; int8
-stays close to float32. (The backends themselves: tests/engine/test_linear_backends.py.)"""
+"""Runtime swaps: probed projections replace float32 Linears; fused q/k/v and gate/up are
+bit-identical; int8 stays close to float32. (The backends themselves:
+tests/engine/test_linear_backends.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from workers.engine.swaps import (
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     convert_for_runtime,
+    fuse_gate_up,
     fuse_qkv,
     pack_linears,
 )
@@ -65,9 +67,10 @@ def test_int8_linear_matches_dequantized_reference(dtype: torch.dtype) -> None:
 def test_convert_for_runtime_int8_keeps_the_model_dtype(tiny_config) -> None:
     model = _tiny_model(tiny_config("llama", vocab_size=256, num_hidden_layers=2))
     fuse_qkv(model)
+    fuse_gate_up(model)
     convert_for_runtime(model, "int8")
     int8 = [m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)]
-    assert len(int8) == 2 * 5 + 1  # per layer: fused qkv, o, gate, up, down; + the LM head
+    assert len(int8) == 2 * 4 + 1  # per layer: fused qkv, o, fused gate/up, down; + the LM head
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert model.embed.weight.dtype == torch.float32  # norms and embeddings untouched
     convert_for_runtime(model, "int8")  # idempotent
@@ -107,18 +110,26 @@ def _tiny_model(hf_config: object) -> nn.Module:
     return model_from_hf_state_dict(hf.state_dict(), ModelConfig.from_hf(hf_config))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_fused_qkv_is_bit_identical(
-    packed: bool, greedy, tiny_config, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("swap", ["plain", "packed", "int8", "int4"])
+def test_fused_projections_are_bit_identical(
+    arch: str, swap: str, greedy, tiny_config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import copy
 
-    model = _tiny_model(tiny_config("llama", vocab_size=256, num_hidden_layers=3))
+    layers = 2 if arch == "llama" else 4
+    model = _tiny_model(tiny_config(arch, vocab_size=256))
     fused = copy.deepcopy(model)
-    assert fuse_qkv(fused) == 3 and fuse_qkv(fused) == 0  # once per layer, idempotent
-    attn = fused.layers[0].attn  # type: ignore[index]
-    assert attn.q_proj is None and attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
-    if packed and "mkl-packed" in linear_backends.available_backends():
+    assert fuse_qkv(fused) == layers and fuse_qkv(fused) == 0  # once per layer, idempotent
+    assert fuse_gate_up(fused) == layers and fuse_gate_up(fused) == 0
+    attn, mlp = fused.layers[0].attn, fused.layers[0].mlp  # type: ignore[index]
+    h, kvh, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    assert attn.q_proj is None and attn.qkv_proj.weight.shape == ((h + 2 * kvh) * hd, 64)
+    assert mlp.gate_proj is None and mlp.up_proj is None
+    assert mlp.gate_up_proj.weight.shape == (2 * 96, 64)
+    if swap == "packed":
+        if "mkl-packed" not in linear_backends.available_backends():
+            pytest.skip("no MKL")
         # MKL computes each output column alike whatever N is: fused and separate projections
         # stay bit-identical on one backend (the probe may pick others per shape; pinned here)
         pinned = lambda n, k: linear_backends.ShapeChoice((n, k), ("mkl-packed",) * 4, {})  # noqa: E731
@@ -126,14 +137,13 @@ def test_fused_qkv_is_bit_identical(
         pack_linears(model)
         pack_linears(fused)
         assert isinstance(attn.qkv_proj, ProbedLinear)
+    elif swap in ("int8", "int4"):  # quantized per output row: the fused codes are the same
+        convert_for_runtime(model, swap)
+        convert_for_runtime(fused, swap)
+        kind = WeightOnlyInt8Linear if swap == "int8" else WeightOnlyInt4Linear
+        assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
     prompts = [[1, 5, 9, 13, 2, 7, 30, 31, 40], [3, 4, 250, 17]]
     tokens, logits = greedy(model, prompts, 6, block_size=4, prefill_chunks=2)
     fused_tokens, fused_logits = greedy(fused, prompts, 6, block_size=4, prefill_chunks=2)
     assert fused_tokens == tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, fused_logits, strict=True))
-
-
-def test_fuse_qkv_leaves_qk_norm_attention_alone(tiny_config) -> None:
-    model = _tiny_model(tiny_config("gemma3"))
-    assert fuse_qkv(model) == 0
-    assert all(layer.attn.qkv_proj is None for layer in model.layers)  # type: ignore[union-attr]

@@ -330,6 +330,32 @@ def test_decode_batch_attention_matches_dense(heads, block_size, window, softcap
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("seqs", [[(1, 300)], [(1, 1), (1, 257)]], ids=["one", "two"])
+def test_decode_attention_split_over_positions_matches_dense(seqs, window, threads):
+    # Fewer (row, KV head) tasks than threads: the C++ op splits each task's positions into
+    # chunks (one per thread, >= 64 positions each) and merges them; 1 thread never splits, and
+    # a row shorter than a chunk (the 1-position row) is split into empty chunks.
+    assert cpu_ops.load(), cpu_ops.error()
+    heads = (4, 1, 32)  # Gemma 3 270M's layout: one KV head
+    q, k_cache, v_cache, meta, qs, ks, vs = make_case(seqs, heads, 16, window, torch.float32)
+    batch = DecodeBatch.build([s - 1 for _, s in seqs], meta.block_tables_list, 16, window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = decode_attention(q, k_cache, v_cache, batch, 32**-0.5, 5.0)
+    finally:
+        torch.set_num_threads(before)
+    expected = torch.cat(
+        [
+            dense_reference(qb, kb, vb, 32**-0.5, window, 5.0)
+            for qb, kb, vb in zip(qs, ks, vs, strict=True)
+        ]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_decode_batch_build_blocks_and_mask():
     # block_size 4, window 6: position 9 sees 4..9, so it reads blocks from index 1 on
     batch = DecodeBatch.build([9, 2], [[5, 6, 7], [8]], block_size=4, window=6)

@@ -1,7 +1,8 @@
 """The Triton swap (workers/engine/triton_swaps.py) computes the model's function.
 
-A tiny random Llama (with the fused q/k/v projection) and a tiny Gemma 3 (QK-norm, sandwich
-norms, sliding windows shorter than the text, soft-capped logits) run the same steps twice,
+A tiny random Llama and a tiny Gemma 3 (QK-norm after the split, sandwich
+norms, sliding windows shorter than the text, soft-capped logits), both with the fused q/k/v
+and gate/up projections the engine serves with, run the same steps twice,
 each copy on its own KV cache: the reference model, and a copy whose RMSNorm, Attention and
 Block modules were swapped for the Triton versions: a prefill step (two prompts, chunks
 partially filling their last blocks), a decode step, and a mixed step (a third prompt's
@@ -22,7 +23,7 @@ from tests.conftest import tiny_hf_config
 from tests.kernels.triton_interpreter import checked_in_child
 from workers.engine.config import ModelConfig
 from workers.engine.model import Transformer
-from workers.engine.swaps import fuse_qkv
+from workers.engine.swaps import fuse_gate_up, fuse_qkv
 
 pytestmark = pytest.mark.triton
 
@@ -41,8 +42,7 @@ def tiny_model(arch: str) -> Transformer:
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.reset_buffers("cpu")
-    if arch == "llama":
-        assert fuse_qkv(model) > 0
+    assert fuse_qkv(model) > 0 and fuse_gate_up(model) > 0  # as the engine prepares it
     return model.eval()
 
 

@@ -45,7 +45,8 @@ class EngineConfig:
     # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
     # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
     screen_lm_head: bool = True
-    fuse_qkv: bool = True  # Llama: q/k/v as one projection, bit-identical (workers/engine/swaps.py)
+    # q/k/v as one projection and gate/up as one, bit-identical (workers/engine/swaps.py)
+    fuse_projections: bool = True
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
     max_num_seqs: int = 32  # running batch cap (`tolk worker`: from its probe, batch_cap.py)
@@ -67,7 +68,7 @@ class EngineConfig:
     def preparation(self) -> Preparation:
         """The model preparation this engine needs (workers/engine/prepare.py)."""
         return Preparation(
-            fuse_qkv=self.fuse_qkv,
+            fuse_projections=self.fuse_projections,
             quantize=self.quantize,
             pack_weights=self.pack_weights,
             screen_lm_head=self.screen_lm_head,

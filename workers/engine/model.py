@@ -134,16 +134,22 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttnMeta) -> Tensor:
         t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            # fused: one projection, and RoPE on q and k heads together (Llama)
+        if self.qkv_proj is not None and self.q_norm is None:
+            # fused, no QK-norm (Llama): RoPE on q and k heads together
             qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
             qk = apply_rope(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
             v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)  # [T, KVH, D]
         else:
-            q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
-            k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
-            v = self.v_proj(x).view(t, kvh, hd)  # [T, KVH, D]
+            if self.qkv_proj is not None:  # fused, with QK-norm (Gemma 3)
+                qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+                q = qkv[:, : h * hd].view(t, h, hd)  # [T, H, D]
+                k = qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd)  # [T, KVH, D]
+                v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)  # [T, KVH, D]
+            else:
+                q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
+                k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
+                v = self.v_proj(x).view(t, kvh, hd)  # [T, KVH, D]
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -165,12 +171,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        # set by swaps.fuse_gate_up: gate and up as one [2 I, d] projection
+        self.gate_up_proj: nn.Module | None = None
+        self.intermediate_size = config.intermediate_size
         self.gelu = config.hidden_activation == "gelu_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.gate_proj(x)  # [T, I]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] x 2
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] x 2
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * self.up_proj(x))
+        return self.down_proj(act * up)
 
 
 class Block(nn.Module):

@@ -9,10 +9,11 @@ weights; and every engine hung its KV pools on the one model, so two live engine
 other's blocks.
 
 `prepare_model(loaded, Preparation(...)) -> PreparedModel` runs the swaps in their one valid
-order (fused q/k/v -> int8 weights -> the LM head's int8 screen -> probed packing) and keeps the
-record on the model (a plain attribute of the `Transformer`). Preparing the same model again:
+order (fused q/k/v and gate/up -> int8 weights -> the LM head's int8 screen -> probed packing)
+and keeps the record on the model (a plain attribute of the `Transformer`). Preparing the same
+model again:
 - with the same swaps returns that record: nothing is fused, quantized or packed twice;
-- with other model-changing swaps (`fuse_qkv`, `quantize`, `pack_weights`) raises
+- with other model-changing swaps (`fuse_projections`, `quantize`, `pack_weights`) raises
   `PreparationMismatch` naming each field that differs, before anything is touched: load the
   model again (`load_model`) for another preparation.
 The LM-head screen is not a change of the model (a separate int8 copy of the float32 head, which
@@ -51,6 +52,7 @@ from workers.engine.swaps import (
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     convert_for_runtime,
+    fuse_gate_up,
     fuse_qkv,
     pack_linears,
     screen_lm_head,
@@ -71,7 +73,7 @@ class PreparationMismatch(ValueError):
 class Preparation:
     """Which swaps `prepare_model` runs (the fields mirror `EngineConfig`'s)."""
 
-    fuse_qkv: bool = True  # Llama: one q/k/v projection, bit-identical
+    fuse_projections: bool = True  # one q/k/v and one gate/up projection, bit-identical
     # None, "int8" or "int4": weight-only projections and LM head (workers/engine/swaps.py)
     quantize: str | None = None
     pack_weights: bool = True  # CPU float32: projections through the probed fastest GEMM
@@ -79,7 +81,7 @@ class Preparation:
     screen_lm_head: bool = True
 
     # the swaps that rewrite the model's modules: engines over one model must agree on them
-    MODEL_CHANGING: ClassVar[tuple[str, ...]] = ("fuse_qkv", "quantize", "pack_weights")
+    MODEL_CHANGING: ClassVar[tuple[str, ...]] = ("fuse_projections", "quantize", "pack_weights")
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZATIONS:
@@ -131,6 +133,7 @@ class PreparedModel:
     loaded: LoadedModel
     preparation: Preparation  # screen_lm_head: whether any engine asked for the screen so far
     fused_attentions: int  # attention layers given one q/k/v projection
+    fused_mlps: int  # MLPs given one gate/up projection
     int8_linears: int  # WeightOnlyInt8Linear modules
     int4_linears: int  # WeightOnlyInt4Linear modules
     packed_linears: int  # projections `pack_linears` swapped for pre-packed ones
@@ -206,7 +209,8 @@ def prepare_model(loaded: LoadedModel, preparation: Preparation | None = None) -
                 record.preparation = dataclasses.replace(record.preparation, screen_lm_head=True)
             return record
         # fused first: int8 and packing then swap the fused projection
-        fused = fuse_qkv(model) if asked.fuse_qkv else 0
+        fused = fuse_qkv(model) if asked.fuse_projections else 0
+        fused_mlps = fuse_gate_up(model) if asked.fuse_projections else 0
         convert_for_runtime(model, asked.quantize)
         # before packing, which leaves the LM head's float32 weight in place anyway
         screen = screen_lm_head(model) if asked.screen_lm_head else None
@@ -218,6 +222,7 @@ def prepare_model(loaded: LoadedModel, preparation: Preparation | None = None) -
             loaded=loaded,
             preparation=asked,
             fused_attentions=fused,
+            fused_mlps=fused_mlps,
             int8_linears=sum(isinstance(m, WeightOnlyInt8Linear) for m in model.modules()),
             int4_linears=sum(isinstance(m, WeightOnlyInt4Linear) for m in model.modules()),
             packed_linears=packed,

@@ -9,9 +9,12 @@ second, different preparation); engines never call them directly.
   `F.linear`, MKL's packed GEMM and oneDNN's packed inner product on *this* machine, chosen by
   a probe at preparation (MKL's fast paths are Intel's; on an AMD EPYC oneDNN's JIT wins).
   Results equal `F.linear`'s up to float32 rounding. LM heads are left alone.
-- `fuse_qkv(model)`: attention without QK-norm (Llama) gets one q/k/v projection and RoPE over
-  q and k heads at once (~7 fewer ops per layer, bit-identical). SmolLM2 decode step: B=1
-  37.3 -> 35.4 ms, B=32 (prefix shared) 94 -> 92 ms.
+- `fuse_qkv(model)`: each attention gets one q/k/v projection (Llama also RoPE over q and k
+  heads at once, ~7 fewer ops per layer; Gemma 3 keeps its per-head QK-norm after the split),
+  and `fuse_gate_up(model)` one gate/up projection per MLP: one weight stream instead of three
+  and of two. Each output row is computed as before (bit-identical for int8/int4 and MKL). At
+  batch 1 a short weight is mostly start-up cost: on an AMD EPYC Zen 4, int8, weights cold,
+  q+k+v 61-75 us -> 41-49 us and gate+up 115-136 -> 97-100 us per layer (docs/BENCHMARKS.md).
 - `screen_lm_head(model)`: on CPU in float32, an int8 copy of the LM head with the constants of
   its error bound (`kernels.greedy_head.Int8Screen`), with which the engine finds greedy tokens
   as the float32 head would, reading a quarter of the bytes (Gemma 3's 262k-row head: one row
@@ -120,31 +123,60 @@ def pack_linears(model: nn.Module, max_numel: int = 8_000_000) -> int:
     return swapped
 
 
-def fuse_qkv(model: nn.Module) -> int:
-    """Give each attention without QK-norm (Llama) one fused q/k/v projection; returns how many.
+def _stacked(parts: list[nn.Module]) -> nn.Linear | None:
+    """One `nn.Linear` whose weight is the parts' weights stacked by output row, or None when
+    a part is no plain `nn.Linear` any more (already quantized or packed: left alone)."""
+    if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts):
+        return None
+    weight = torch.cat([cast(nn.Linear, p).weight for p in parts]).detach()
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                      dtype=weight.dtype)  # fmt: skip
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
-    One GEMM of N = (H + 2 KVH) * D instead of three, and RoPE over q and k heads at once: ~7
-    fewer ops per layer. MKL computes each output column the same way whatever N is, so the
-    outputs are bit-identical to the three projections (tests/engine/test_swaps.py). In place
-    and idempotent; run it before `convert_for_runtime` and `pack_linears`, which then
-    quantize or pack the fused Linear (on an already-swapped model it leaves them alone).
+
+def fuse_qkv(model: nn.Module) -> int:
+    """Give each attention one fused q/k/v projection; returns how many.
+
+    One GEMM of N = (H + 2 KVH) * D instead of three (without QK-norm, Llama, also RoPE over q
+    and k heads at once: ~7 fewer ops per layer; Gemma 3 normalises q and k after the split).
+    Each output row is computed as in its own projection (int8/int4 quantize per row, MKL
+    computes each column the same way whatever N is), so the outputs are bit-identical
+    (tests/engine/test_swaps.py). In place and idempotent; run it before
+    `convert_for_runtime` and `pack_linears`, which then quantize or pack the fused Linear (on
+    an already-swapped model it leaves them alone).
     """
     from workers.engine.model import Attention
 
     fused = 0
     for attn in model.modules():
-        if not isinstance(attn, Attention) or attn.qkv_proj is not None or attn.q_norm is not None:
-            continue  # not an attention, already fused, or Gemma's QK-norm (kept separate)
-        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-        if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)):
-            continue  # already swapped (int8)
-        weight = torch.cat([q.weight, k.weight, v.weight]).detach()
-        qkv = nn.Linear(q.in_features, weight.shape[0], bias=False, device=weight.device,
-                        dtype=weight.dtype)  # fmt: skip
-        qkv.weight = nn.Parameter(weight, requires_grad=False)
+        if not isinstance(attn, Attention) or attn.qkv_proj is not None:
+            continue
+        qkv = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is None:
+            continue
         attn.qkv_proj = qkv
         for name in ("q_proj", "k_proj", "v_proj"):  # the fused copy replaces them
             setattr(attn, name, None)
+        fused += 1
+    return fused
+
+
+def fuse_gate_up(model: nn.Module) -> int:
+    """Give each MLP one fused gate/up projection ([2 I, d], gate rows first); returns how
+    many. Bit-identical like `fuse_qkv`, in place and idempotent, run before the same swaps."""
+    from workers.engine.model import MLP
+
+    fused = 0
+    for mlp in model.modules():
+        if not isinstance(mlp, MLP) or mlp.gate_up_proj is not None:
+            continue
+        gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
+        if gate_up is None:
+            continue
+        mlp.gate_up_proj = gate_up
+        for name in ("gate_proj", "up_proj"):  # the fused copy replaces them
+            setattr(mlp, name, None)
         fused += 1
     return fused
 

@@ -45,7 +45,7 @@ class TritonAttention(Attention):
         if not isinstance(batch, AttentionMetadata | PagedDecodeBatch):
             return super().forward(x, cos, sin, meta)  # a compiled step's DecodeBatch
         t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:  # fused projection (Llama): strided views, no copy
+        if self.qkv_proj is not None:  # fused projection: strided views, no copy
             qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
             q = qkv[:, : h * hd].view(t, h, hd)
             k = qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd)
@@ -54,8 +54,8 @@ class TritonAttention(Attention):
             q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
             k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
             v = self.v_proj(x).view(t, kvh, hd)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # Gemma 3's QK-norm
+            q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "allocate_kv_cache() first"
         q, k = triton_norm_rope.rope_write_kv(
