@@ -19,6 +19,12 @@ Design notes
   rollout promote|abort|start`) is picked up by re-reading the events topic every
   `refresh_s`. Decisions are keyed (`policy.Decision.event_id`), so a second guard (another
   `app_id`, its own changelog) writes the same events and shares: duplicates, harmless.
+* **The table's changelog topic is created here** (faust's name and settings: compact +
+  delete, the windows' retention) and waited for until every partition has a leader, before
+  faust starts. Faust would declare it itself, but its consumer's metadata can then list the
+  new topic with no partitions yet; the table's first write checks the partition counts once
+  per topic and failed ("changelog ... has 0 partitions", faust's `PartitionsMismatch`), which
+  ended the counting agent for good (seen once in CI, 2026-12-05).
 * Security: the guard's own topics and the control topic use confluent-kafka with the
   deployment's security settings (`GuardConfig.kafka_config`); the faust app's aiokafka gets
   the same ones translated into faust's `broker_credentials` (`broker_auth.faust_credentials`:
@@ -35,6 +41,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from topics.admin import MISMATCH_PREFIX, ensure_topics
+from topics.catalog import TopicSpec
 from workers.guard.broker_auth import faust_credentials
 from workers.guard.core import GuardConfig, GuardCore, wall_clock_ms
 from workers.guard.events import (
@@ -72,6 +80,22 @@ def _partitions_and_committed(config: GuardConfig) -> tuple[list[int], dict[int,
         consumer.close()
 
 
+TABLE = "guard-window-counts"
+
+
+def _ensure_changelog(config: GuardConfig, partitions: int, retention_s: float) -> str:
+    """Create the windowed table's changelog topic as faust would (`<app_id>-<table>-changelog`,
+    compact + delete, the windows' retention) and wait for its partitions' leaders (module
+    notes); an existing one is left as it is. Returns its name."""
+    name = f"{config.app_id}-{TABLE}-changelog"
+    policy = {"cleanup.policy": "compact,delete", "retention.ms": str(int(retention_s * 1000))}
+    spec = TopicSpec(name, partitions, policy)
+    outcome = ensure_topics(config.bootstrap, [spec], client_config=config.kafka_config)[name]
+    if outcome.startswith(MISMATCH_PREFIX):  # faust would refuse it at the first write
+        raise RuntimeError(f"{name}: {outcome} (the reply topic's count)")
+    return name
+
+
 def _highwaters(consumer: Any, topic: str, parts: list[int]) -> dict[int, int]:
     return {
         p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=5, cached=False)[1]
@@ -86,6 +110,9 @@ def build_app(config: GuardConfig, core: GuardCore) -> Any:
 
     parts, committed = _partitions_and_committed(config)
     core.read_upto.update(committed)
+    window_s = config.policy.window_s
+    expires_s = max(config.expires_s, window_s * 20)
+    _ensure_changelog(config, len(parts), expires_s)
     app = faust.App(
         config.app_id,
         broker=f"kafka://{config.bootstrap.split(',')[0]}",
@@ -109,17 +136,9 @@ def build_app(config: GuardConfig, core: GuardCore) -> Any:
         key_serializer="raw",
         value_serializer="raw",
     )
-    window_s = config.policy.window_s
     table = (
-        app.Table(
-            "guard-window-counts",
-            default=dict,
-            partitions=len(parts),
-        )
-        .tumbling(
-            timedelta(seconds=window_s),
-            expires=timedelta(seconds=max(config.expires_s, window_s * 20)),
-        )
+        app.Table(TABLE, default=dict, partitions=len(parts))
+        .tumbling(timedelta(seconds=window_s), expires=timedelta(seconds=expires_s))
         .relative_to_stream()
     )
 

@@ -337,3 +337,39 @@ def test_guard_killed_mid_window_decides_like_an_uninterrupted_one(
     assert log_b.count("[^Worker]: Ready") == 2  # killed once, restarted
     assert "is past the restored counts" in log_b  # GuardCore.rewind moved the offsets back
     assert "Restoring state from changelog topics" in log_b  # the counts came back from it
+
+
+def test_the_changelog_topic_exists_with_leaders_before_faust_starts(
+    kafka_bootstrap: str,  # noqa: F811
+) -> None:
+    # faust's consumer once saw a just-declared changelog with 0 partitions and the table's
+    # first write killed the counting agent (workers/guard/app.py, module notes): the guard now
+    # creates the topic itself, as faust would, and waits for every partition's leader
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    from workers.guard.app import _ensure_changelog
+    from workers.guard.core import GuardConfig
+    from workers.guard.policy import GuardPolicy
+
+    run = uuid.uuid4().hex[:8]
+    config = GuardConfig(
+        bootstrap=kafka_bootstrap,
+        kafka_config={"bootstrap.servers": kafka_bootstrap},
+        replies_topic=f"t-{run}.replies",
+        events_topic=f"t-{run}.events",
+        control_topic=f"t-{run}.control",
+        policy=GuardPolicy(window_s=2.0),
+        app_id=f"guard-c-{run}",
+    )
+    name = _ensure_changelog(config, 3, 600.0)
+    assert name == f"guard-c-{run}-guard-window-counts-changelog"  # faust's name for it
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    meta = admin.list_topics(topic=name, timeout=10).topics[name]
+    assert len(meta.partitions) == 3 and all(p.leader >= 0 for p in meta.partitions.values())
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    configs = admin.describe_configs([resource])[resource].result(timeout=10)
+    assert configs["cleanup.policy"].value == "compact,delete"
+    assert configs["retention.ms"].value == "600000"
+    assert _ensure_changelog(config, 3, 600.0) == name  # a restart: left as it is
+    with pytest.raises(RuntimeError, match="partition-mismatch"):
+        _ensure_changelog(config, 4, 600.0)  # the reply topic grew: faust would refuse it
