@@ -1,18 +1,20 @@
 """tolk's C++ CPU ops (`kernels/cpu/*.cpp`), built on first use and loaded as `torch.ops.tolk`.
 
 - `tolk::int8_linear(x, w, scales, exact_float32=False)`: see `kernels/int8_linear.py`.
-- `tolk::int4_linear(x, w, scales, mins)` (and `int4_linear_plain`, its portable float32 loop):
-  see `kernels/int4_linear.py`.
+- `tolk::int4_linear(x, w, scales, mins)` (and `int4_linear_plain`, its portable float32 loop;
+  `int4_linear_vnni()`, whether this build runs the VNNI loop): see `kernels/int4_linear.py`.
 - `tolk::decode_attention(q, k_cache, v_cache, blocks, valid, scale, softcap=None)`: see
   `kernels/attention.py` (`decode_attention`).
 - `tolk::screened_argmax(x, approx, weight, act, wt, softcap=None)`: see
   `kernels/greedy_head.py` (`greedy_tokens`).
+- `tolk::int4_screen_union(x, approx, act, wt)`: see `kernels/int8_head_screen.py`
+  (`screened_int8_argmax`; called eagerly only, so it has no fake).
 
 `load()` compiles every source into one library with `torch.utils.cpp_extension.load` (a C++
 compiler and `ninja` are needed; ~20 s the first time, then cached under
 `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions, and rebuilt when a source
-changes), with `-march=native` since it is built on the machine that runs it. Each op gets a
-fake (meta) implementation, so `torch.compile` graphs call it as one extern kernel. When the
+changes), with `-march=native` since it is built on the machine that runs it. Each op a graph
+may call gets a fake (meta) implementation, so `torch.compile` graphs call it as one extern kernel. When the
 build fails (no toolchain), `load()` returns False once, logs why, and callers use their torch
 reference. `LOADED` is a plain module global so that compiled graphs read it as a constant.
 This module is a leaf: it imports torch only.

@@ -118,6 +118,12 @@ def int4_linear_reference(x: Tensor, w: Tensor, scales: Tensor, mins: Tensor) ->
     return F.linear(x, dequantize_int4(w, scales, mins).to(x.dtype))
 
 
+def runs_vnni() -> bool:
+    """Whether `int4_linear` runs the AVX512-VNNI loop here (C++ ops loaded on such a CPU);
+    elsewhere it is the plain float32 loop or the reference, slower than int8."""
+    return cpu_ops.LOADED and bool(torch.ops.tolk.int4_linear_vnni())
+
+
 def int4_linear(x: Tensor, w: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
     """The fast op where it applies (CPU, float32 x, `kernels.cpu_ops.load()` done:
     `WeightOnlyInt4Linear` does it), else the reference."""

@@ -286,9 +286,20 @@ at::Tensor int4_linear_plain(const at::Tensor& x, const at::Tensor& w, const at:
   return y.view(out_shape);
 }
 
+// Whether this build runs the AVX512-VNNI loop (else every call is the plain float32 loop,
+// slower than int8 on the same CPU: callers that pick int4 for speed ask first).
+bool int4_linear_vnni() {
+#ifdef TOLK_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tolk, m) {
+  m.def("int4_linear_vnni() -> bool", &int4_linear_vnni);
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear_plain(Tensor x, Tensor w, Tensor scales, Tensor mins) -> Tensor");
 }

@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
+from kernels.int4_linear import runs_vnni
+from kernels.int8_head_screen import Int4Screen
 from workers.engine.engine import Engine, EngineConfig
+from workers.engine.loader import load_model
 from workers.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -80,6 +83,33 @@ def test_screened_lm_head_gives_the_float32_heads_tokens(smollm2: Any) -> None:
     screened, screened_steps = run(True)
     assert screened == plain
     assert plain_steps == 0 and screened_steps > 0
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_int4_screen_gives_the_int8_heads_tokens(model: str) -> None:
+    """With int8 weights the head's argmax comes from its int4 copy and the rescored
+    candidates (kernels/int8_head_screen.py): the same tokens as the full int8 head, batched
+    (more than 4 rows: the op's block loop) and alone."""
+    loaded = load_model(model)  # a copy of its own: int8 rewrites the model
+    pairs = [("en", "de"), ("de", "en"), ("en", "es")]
+    texts = ["Where is my parcel?", "Ich wurde zweimal belastet.", "My app keeps crashing.",
+             "Can I change the delivery address of order 4711?", "Danke für Ihre Hilfe!",
+             "The refund of 25.99 EUR has not arrived yet."]  # fmt: skip
+
+    def run(screen: bool) -> tuple[list[list[int]], int]:
+        eng = Engine(loaded, EngineConfig(kv_cache_tokens=8192, quantize="int8",
+                                          screen_lm_head=screen))  # fmt: skip
+        assert isinstance(eng.lm_screen, Int4Screen) == (screen and runs_vnni())
+        reqs = [eng.translation_request(t, *pairs[i % 3], max_new_tokens=24)
+                for i, t in enumerate(texts)]  # fmt: skip
+        batched = [r.token_ids for r in eng.generate(reqs)]
+        alone = eng.generate([eng.translation_request(texts[3], "en", "de", max_new_tokens=24)])
+        return batched + [alone[0].token_ids], eng.stats.screened_steps
+
+    full, full_steps = run(False)
+    screened, screened_steps = run(True)
+    assert screened == full
+    assert full_steps == 0 and (screened_steps > 0) == runs_vnni()
 
 
 def test_sampled_requests_bypass_the_screen(engine: Engine) -> None:

@@ -8,8 +8,10 @@ dynamic batch and context sizes serves every such step (dynamo specializes size 
 gets a graph of its own: two compilations, ~40-80 s on two cores at start-up, `warm_up`; later
 processes reuse inductor's on-disk cache). Inductor fuses norms, RoPE and residuals into C++
 loops and, on the CPU, emits a C++ wrapper; projections and attention are extern calls (MKL
-for float32, `tolk::int8_linear` for int8 weights, `tolk::decode_attention`). The greedy argmax
-is computed in the graph too.
+for float32, `tolk::int8_linear` for int8 weights, `tolk::decode_attention`). The graph ends at
+the final norm of the rows that sample: the engine's sampler takes them as it takes an eager
+step's (`workers/engine/sampling.py`), so greedy rows go through the LM head's screen (an int4
+copy of an int8 head, an int8 copy of a float32 one) instead of the full head in the graph.
 
 SmolLM2-135M, batch 1, 2 cores (tokens/s in bench/engine.py): eager float32 27.8, compiled
 float32 40.2, compiled with int8 weights ~100 (docs/BENCHMARKS.md).
@@ -22,12 +24,12 @@ The engine uses it for decode-only steps of at most `max_batch` sequences (`Engi
 compile_decode`, `compile_max_batch`), and for prefill and mixed steps of at most `max_rows`
 tokens (`compile_max_rows`): a prefill chunk of n tokens is n rows at consecutive positions with
 the chunk's block table, and since every row's K/V is written before any row attends and a row
-at position p sees positions <= p, the rows attend causally as a prefill does; logits are
-computed only for the rows that sample (`sample_rows`: one per sampling chunk), so a 12-token
-prefill pays the LM head once. Such steps had run eagerly (Gemma 3 270M int8, a warm query's
-prefill on an Intel Xeon, 2 cores, bench/prefill_steps.py: 15 tokens 82 ms eager, 53 compiled;
-32 tokens 111 / 100; 54 tokens 173 / 153). They take graphs of their own
-(dynamo specializes one sampled row), so warm-up compiles four: decode at batch 1 and at a
+at position p sees positions <= p, the rows attend causally as a prefill does; hidden rows
+are gathered only for the rows that sample (`sample_rows`: one per sampling chunk), so a
+12-token prefill pays the LM head once. Such steps had run eagerly (Gemma 3 270M int8, a warm
+query's prefill on an Intel Xeon, 2 cores, bench/prefill_steps.py: 15 tokens 82 ms eager, 53
+compiled; 32 tokens 111 / 100; 54 tokens 173 / 153). They take graphs of their own (dynamo
+specializes one sampled row), so warm-up compiles four: decode at batch 1 and at a
 dynamic batch, a prefill chunk, a mixed step. Longer steps (a long prompt's 512-token chunks),
 where per-row attention would re-read the context per token, and larger decode batches, stay
 eager. The eager path's cascade attention reads a shared language prefix once, but at
@@ -96,7 +98,8 @@ def background_compile_running() -> bool:
 
 
 class CompiledDecode:
-    """The model's decode step, compiled; called with python lists, returns (logits, argmax)."""
+    """The model's decode step, compiled; called with python lists, returns the sampling rows'
+    final hidden states."""
 
     def __init__(
         self, model: Transformer, block_size: int, max_batch: int = 8, max_rows: int = 0
@@ -128,7 +131,7 @@ class CompiledDecode:
         self.ready = True
         self.rows_ready = max_rows > 0  # the same for prefill / mixed steps (their own graphs)
         self.background: threading.Thread | None = None
-        self._fn: Callable[..., tuple[Tensor, Tensor]] = torch.compile(
+        self._fn: Callable[..., Tensor] = torch.compile(
             self._forward, dynamic=True, fullgraph=True, options={"cpp_wrapper": on_cpu}
         )
 
@@ -138,11 +141,9 @@ class CompiledDecode:
         positions: Tensor,
         batches: dict[str, DecodeBatch],
         sample_rows: Tensor,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
         hidden = self.model(input_ids, positions, dict(batches))  # [T, D]
-        hidden = hidden.index_select(0, sample_rows)  # [S, D]: only the rows that sample
-        logits = self.model.compute_logits(hidden)  # [S, V] float32
-        return logits, logits.argmax(dim=-1)  # the argmax fused in the graph (greedy rows)
+        return hidden.index_select(0, sample_rows)  # [S, D]: only the rows that sample
 
     def applies(self, batch_size: int) -> bool:
         """Whether a decode-only step of this many sequences runs compiled (once compiled)."""
@@ -158,10 +159,10 @@ class CompiledDecode:
         positions: Sequence[int],
         block_tables: Mapping[str, Sequence[Sequence[int]]],
         sample_rows: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """One token per row: ids, 0-based positions, each row's block table per KV group ->
-        (logits [S, V] float32 as `model.compute_logits(model(...))` gives for the rows
-        `sample_rows` (default: every row), their argmax [S]).
+        the final hidden states [S, D] of the rows `sample_rows` (default: every row), as
+        `model(...)` gives them (`model.compute_logits` of them: the logits).
 
         A row is one token of a sequence: a decode step has one row per sequence, a prefill
         chunk of n tokens n rows with the same table at consecutive positions. Every row's K/V

@@ -180,9 +180,10 @@ class _Captured:
 class CudaGraphDecode:
     """Decode-only steps through captured CUDA graphs (one per bucket); see the module doc.
 
-    Called like `workers.engine.compiled.CompiledDecode`: python ids, positions and tables in,
-    (logits [n, V] float32, argmax [n]) out, both views of the graph's static outputs, valid
-    until the next call. Returns None for a step that does not fit (run it eagerly)."""
+    Called with what `workers.engine.compiled.CompiledDecode` takes (python ids, positions and
+    tables); (logits [n, V] float32, argmax [n]) out, both views of the graph's static
+    outputs, valid until the next call. Returns None for a step that does not fit (run it
+    eagerly)."""
 
     def __init__(
         self,

@@ -42,8 +42,9 @@ class EngineConfig:
     triton_kernels: bool = False
     cuda_graphs: bool = False
     pack_weights: bool = True  # CPU float32: projections via the probed fastest GEMM (swaps.py)
-    # CPU float32: greedy tokens from an int8 copy of the LM head screened by an error bound,
-    # the float32 head's argmax at a quarter of its reads (kernels/greedy_head.py)
+    # CPU: greedy tokens from a cheaper copy of the LM head: a float32 head's argmax from an
+    # int8 copy and a rigorous bound (kernels/greedy_head.py), an int8 head's from an int4 copy
+    # and a 6-sigma margin (kernels/int8_head_screen.py)
     screen_lm_head: bool = True
     # q/k/v as one projection and gate/up as one, bit-identical (workers/engine/swaps.py)
     fuse_projections: bool = True

@@ -103,8 +103,9 @@ class ModelStep:
         self, compiled: CompiledDecode, out: SchedulerOutput, decode_only: bool
     ) -> dict[str, int]:
         """A step through the compiled graph, every token a row of its own: a decode step's
-        rows are its sequences; a prefill chunk's rows share its block table. Logits only for
-        the rows that sample (each sampling chunk's last)."""
+        rows are its sequences; a prefill chunk's rows share its block table. The graph gives
+        the hidden rows of the sequences that sample (each sampling chunk's last), picked from
+        as an eager step's are."""
         ids: list[int] = []
         positions: list[int] = []
         tables: dict[str, list[list[int]]] = {g.name: [] for g in self.kv.groups}
@@ -123,10 +124,14 @@ class ModelStep:
             self.stats.compiled_steps += 1
         else:
             self.stats.compiled_rows_steps += 1
-        # a step that samples nothing (a prompt's middle chunk) still computes one row's logits:
-        # the graph has no zero-row variant
-        logits, greedy = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])
-        return self.sampler.sample(seqs, logits, greedy) if seqs else {}
+        # a step that samples nothing (a prompt's middle chunk) still gathers one row: the
+        # graph has no zero-row variant
+        rows = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])  # [S, D]
+        if not seqs:
+            return {}
+        if self.sampler.screens(seqs):
+            self.stats.screened_steps += 1  # greedy only: no logits needed
+        return self.sampler.pick(seqs, rows)
 
     def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
         """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket

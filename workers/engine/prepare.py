@@ -9,15 +9,15 @@ weights; and every engine hung its KV pools on the one model, so two live engine
 other's blocks.
 
 `prepare_model(loaded, Preparation(...)) -> PreparedModel` runs the swaps in their one valid
-order (fused q/k/v and gate/up -> int8 weights -> the LM head's int8 screen -> probed packing)
+order (fused q/k/v and gate/up -> int8 weights -> the LM head's screen -> probed packing)
 and keeps the record on the model (a plain attribute of the `Transformer`). Preparing the same
 model again:
 - with the same swaps returns that record: nothing is fused, quantized or packed twice;
 - with other model-changing swaps (`fuse_projections`, `quantize`, `pack_weights`) raises
   `PreparationMismatch` naming each field that differs, before anything is touched: load the
   model again (`load_model`) for another preparation.
-The LM-head screen is not a change of the model (a separate int8 copy of the float32 head, which
-the model keeps), so engines may differ in it: the first engine that asks builds it onto the
+The LM-head screen is not a change of the model (a separate cheaper copy of the head, which the
+model keeps), so engines may differ in it: the first engine that asks builds it onto the
 record, the others share it or ignore it.
 
 KV pools: their layout depends on the model (layer kinds, KV heads, head dim, the model's dtype
@@ -44,11 +44,11 @@ from typing import ClassVar, cast
 import torch
 from torch import Tensor
 
-from kernels.greedy_head import Int8Screen
 from workers.engine import hugepages, linear_backends
 from workers.engine.loader import LoadedModel
 from workers.engine.model import Attention, Block, Transformer
 from workers.engine.swaps import (
+    HeadScreen,
     WeightOnlyInt4Linear,
     WeightOnlyInt8Linear,
     convert_for_runtime,
@@ -77,7 +77,8 @@ class Preparation:
     # None, "int8" or "int4": weight-only projections and LM head (workers/engine/swaps.py)
     quantize: str | None = None
     pack_weights: bool = True  # CPU float32: projections through the probed fastest GEMM
-    # CPU float32: an int8 screen of the LM head for greedy rows (the model is unchanged)
+    # CPU: a screen of the LM head for greedy rows, an int8 copy of a float32 head or an int4
+    # copy of an int8 head (the model is unchanged)
     screen_lm_head: bool = True
 
     # the swaps that rewrite the model's modules: engines over one model must agree on them
@@ -137,7 +138,7 @@ class PreparedModel:
     int8_linears: int  # WeightOnlyInt8Linear modules
     int4_linears: int  # WeightOnlyInt4Linear modules
     packed_linears: int  # projections `pack_linears` swapped for pre-packed ones
-    lm_screen: Int8Screen | None  # None unless asked for and the head is float32 on the CPU
+    lm_screen: HeadScreen | None  # None unless asked for and one applies (swaps.screen_lm_head)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property

@@ -3,33 +3,39 @@
 Two ways, chosen per step by `TokenSampler.pick`:
 
 - every sequence greedy (`temperature <= 0`) and the LM head screened (`EngineConfig.
-  screen_lm_head`, CPU float32): `kernels.greedy_head.greedy_tokens` gives the float32 head's
-  argmax from an int8 copy screened by an error bound, without computing the logits;
+  screen_lm_head`, CPU, float32 rows): the head's argmax without its full logits. A float32
+  head: `kernels.greedy_head.greedy_tokens`, from an int8 copy screened by a rigorous error
+  bound; an int8 head (`--quantize`): `kernels.int8_head_screen.screened_int8_argmax`, from an
+  int4 copy screened by a 6-sigma margin, the candidates rescored by the int8 rows;
 - otherwise the model's full logits `[N, V]`: the argmax for greedy rows, and for the others a
   draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`.
 
 Each sampled request draws from its own CPU `torch.Generator`, seeded once from its
 `SamplingParams.seed` (0 when none) on its first sampled token, so a request's tokens depend on
 its seed alone, not on what else shares its batches. The engine calls `forget` when a request
-finishes to drop its generator. Compiled decode steps (`workers/engine/compiled.py`) bring their
-own logits and greedy tokens and go through `sample` directly.
+finishes to drop its generator. Compiled CPU steps (`workers/engine/compiled.py`) bring their
+hidden rows to `pick` as eager ones do; CUDA graph steps bring their own logits and greedy
+tokens and go through `sample` directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from kernels.greedy_head import Int8Screen, greedy_tokens
+from kernels.int8_head_screen import screened_int8_argmax
 from workers.engine.model import Transformer
 from workers.engine.scheduler import SequenceState
+from workers.engine.swaps import HeadScreen, WeightOnlyInt8Linear
 
 
 class TokenSampler:
     """Picks tokens for one engine; lives on the engine's loop thread (not thread-safe)."""
 
-    def __init__(self, model: Transformer, lm_screen: Int8Screen | None) -> None:
+    def __init__(self, model: Transformer, lm_screen: HeadScreen | None) -> None:
         self.model = model
         self.lm_screen = lm_screen  # None: always through the full logits
         self._generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
@@ -40,14 +46,14 @@ class TokenSampler:
 
     def pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
         """Each sequence's next token from its last hidden row, `rows` [N, D]."""
-        if self.lm_screen is not None and self.screens(seqs):  # greedy only: no logits needed
-            tokens = greedy_tokens(
-                rows,
-                self.model.lm_head.weight,
-                self.lm_screen,
-                self.model.config.final_logit_softcapping,
-            ).tolist()
-            return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+        screen, cap = self.lm_screen, self.model.config.final_logit_softcapping
+        if screen is not None and rows.dtype == torch.float32 and self.screens(seqs):
+            if isinstance(screen, Int8Screen):  # a float32 head: no logits needed
+                tokens = greedy_tokens(rows, self.model.lm_head.weight, screen, cap)
+            else:  # an int8 head (swaps.WeightOnlyInt8Linear)
+                head = cast(WeightOnlyInt8Linear, self.model.lm_head)
+                tokens = screened_int8_argmax(rows, head.weight, head.scales, screen, cap)
+            return {seq.request_id: tok for seq, tok in zip(seqs, tokens.tolist(), strict=True)}
         return self.sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
 
     def sample(

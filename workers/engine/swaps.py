@@ -15,10 +15,12 @@ second, different preparation); engines never call them directly.
   and of two. Each output row is computed as before (bit-identical for int8/int4 and MKL). At
   batch 1 a short weight is mostly start-up cost: on an AMD EPYC Zen 4, int8, weights cold,
   q+k+v 61-75 us -> 41-49 us and gate+up 115-136 -> 97-100 us per layer (docs/BENCHMARKS.md).
-- `screen_lm_head(model)`: on CPU in float32, an int8 copy of the LM head with the constants of
-  its error bound (`kernels.greedy_head.Int8Screen`), with which the engine finds greedy tokens
-  as the float32 head would, reading a quarter of the bytes (Gemma 3's 262k-row head: one row
-  23 -> 7 ms). The model itself is unchanged; sampled rows still get the full logits.
+- `screen_lm_head(model)`: on CPU, a cheaper copy of the LM head with which the engine finds
+  greedy tokens as the head itself would. A float32 head gets an int8 copy with the constants
+  of a rigorous error bound (`kernels.greedy_head.Int8Screen`: a quarter of the bytes; Gemma 3's
+  262k-row head, one row 23 -> 7 ms); an int8 head an int4 copy with a 6-sigma margin
+  (`kernels.int8_head_screen.Int4Screen`: 105 of 168 MB, the candidates rescored by the int8
+  rows). The model itself is unchanged; sampled rows still get the full logits.
 - `convert_for_runtime(model, "int8")`: every `nn.Linear` (attention and MLP projections and
   the LM head) becomes `WeightOnlyInt8Linear`: int8 weights with one float scale per output
   channel (symmetric, absmax / 127); everything else keeps the model's dtype.
@@ -38,6 +40,7 @@ measured in `bench/quality.py` (chrF on Tatoeba vs float32).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -45,7 +48,8 @@ from torch import Tensor, nn
 
 from kernels import cpu_ops
 from kernels.greedy_head import Int8Screen
-from kernels.int4_linear import int4_linear, quantize_int4, supports
+from kernels.int4_linear import int4_linear, quantize_int4, runs_vnni, supports
+from kernels.int8_head_screen import Int4Screen
 from kernels.int8_linear import int8_linear, pick_streamed_rows, quantize_int8
 from workers.engine.hugepages import to_huge_pages
 from workers.engine.linear_backends import ProbedLinear, probed_linears_available
@@ -202,26 +206,39 @@ def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
     return model
 
 
-def screen_lm_head(model: nn.Module) -> Int8Screen | None:
-    """The LM head's int8 screen (int8 rows on huge pages), or None where it does not apply:
-    a head that is not float32 on the CPU (bfloat16, GPU, already int8) or no C++ ops.
-    Built once per head weight and kept on the model, so engines over one loaded model share
-    it (Gemma's: ~1.5 s and 168 MB)."""
-    weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    if (
-        weight is None
-        or weight.dtype != torch.float32
-        or weight.device.type != "cpu"
-        or not cpu_ops.load()
-    ):
+HeadScreen = Int8Screen | Int4Screen  # a float32 head's (exact) or an int8 head's
+
+
+def screen_lm_head(model: nn.Module) -> HeadScreen | None:
+    """The LM head's screen for greedy rows, or None where none applies (a bfloat16 or GPU
+    head, no C++ ops, an int8 head without the int4 VNNI loop):
+    - a float32 head: an int8 copy with a rigorous error bound (`Int8Screen`, 168 MB for
+      Gemma 3's head, ~1.5 s);
+    - an int8 head (`convert_for_runtime`): an int4 copy with a 6-sigma margin (`Int4Screen`,
+      105 MB, ~4 s), rescored by the int8 rows (kernels/int8_head_screen.py).
+    Its arrays go on huge pages. Built once per head weight and kept on the model, so engines
+    over one loaded model share it."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.device.type != "cpu" or not cpu_ops.load():
         return None
     key = (weight.data_ptr(), tuple(weight.shape))  # the same storage once packed (detached)
     cached = getattr(model, "_tolk_lm_screen", None)
     if cached is not None and cached[0] == key:
-        return cast(Int8Screen, cached[1])
-    screen = Int8Screen.build(weight)
-    pick_streamed_rows()  # the screen's int8 logits run the op too
-    (q,) = to_huge_pages([screen.q])
-    screen = Int8Screen(q, screen.scales, screen.act, screen.wt)
+        return cast(HeadScreen, cached[1])
+    screen: HeadScreen
+    if isinstance(head, WeightOnlyInt8Linear):
+        if not (runs_vnni() and Int4Screen.applies(weight)):
+            return None
+        built = Int4Screen.build(weight, head.scales)
+        w, scales, mins = to_huge_pages([built.w, built.scales, built.mins])
+        screen = dataclasses.replace(built, w=w, scales=scales, mins=mins)
+    elif weight.dtype == torch.float32:
+        screen = Int8Screen.build(weight)
+        pick_streamed_rows()  # the screen's int8 logits run the op too
+        (q,) = to_huge_pages([screen.q])
+        screen = dataclasses.replace(screen, q=q)
+    else:
+        return None
     model.__dict__["_tolk_lm_screen"] = (key, screen)  # a plain attribute, not a buffer
     return screen
