@@ -14,10 +14,10 @@
 compiler and `ninja` are needed; ~20 s the first time, then cached under
 `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions, and rebuilt when a source
 changes), with `-march=native` since it is built on the machine that runs it. Each op a graph
-may call gets a fake (meta) implementation, so `torch.compile` graphs call it as one extern kernel. When the
-build fails (no toolchain), `load()` returns False once, logs why, and callers use their torch
-reference. `LOADED` is a plain module global so that compiled graphs read it as a constant.
-This module is a leaf: it imports torch only.
+may call gets a fake (meta) implementation, so `torch.compile` graphs call it as one extern
+kernel. When the build fails (no toolchain), `load()` returns False once, logs why, and callers
+use their torch reference. `LOADED` is a plain module global so that compiled graphs read it as
+a constant. This module is a leaf: it imports torch only.
 
 A build killed halfway (a worker SIGKILLed while compiling, a test timeout) leaves torch's
 build marker, the file `lock` in the build directory, behind; torch then waits for it to go

@@ -21,10 +21,11 @@ Unlike the float32 screen this margin is not a proof. Cauchy-Schwarz would bound
 rigorously, but at 25x the error actually seen (sqrt(640)) it leaves ~90k of 262k candidates.
 The margin is Z = 6 standard deviations of the error as if the rounding errors were independent
 of `x` (a sum of 640 small bounded terms). Measured on real decode rows (850 of Gemma 3 270M,
-1,488 of SmolLM2 135M, 2.9e8 entries): the error's spread is 0.79-0.81 of that estimate, its
-largest 5.1 of it. A wrong token needs the true argmax's error and a rival's to differ by more
-than 12 estimates (~10 standard deviations of their difference); the screened argmax then equals
-the int8 head's. Candidates per row: median 13 / 41, p99 ~1,300 / ~540 (Gemma / SmolLM2).
+1,488 of SmolLM2 135M; 2.2e8 and 7.3e7 entries): the error's root mean square is 0.79 of that
+estimate, its largest 4.7 (4.8) of it. A wrong token needs the true argmax's error and a rival's
+to differ by more than 12 estimates (~10 standard deviations of their difference); otherwise the
+screened argmax is the int8 head's. Candidates per row: median 14 / 42, p99 1,412 / 562, largest
+2,213 / 3,021 (Gemma 3 / SmolLM2).
 
 A vocabulary that is not a multiple of 4 has its last rows computed by the op's plain loop in
 the full head (from the fifth activation row on): there a near-tie may resolve differently. So
