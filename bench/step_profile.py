@@ -6,8 +6,8 @@ one JSON object, the three numbers that say how far a step is from that floor:
 
 - `bandwidth_gbs`: a streaming read of a buffer the size of the LM head (`torch.sum` over float32,
   the process's threads): what this machine's memory gives one process;
-- `head_ms` / `head_gbs`: the LM head alone through the step's own kernel (`tolk::int8_linear`
-  with `--quantize int8`, else `F.linear`), one row;
+- `head_ms` / `head_gbs`: the LM head alone as the step's greedy rows run it, one row (with
+  `--quantize int8` its int4 screen, kernels/int8_head_screen.py; float32: its int8 screen);
 - `step_ms`: real decode steps of one request (median and min over `--steps`), and `ops`: the
   `torch.profiler` self time per step of the costliest ops over 30 of them.
 
@@ -39,22 +39,40 @@ def _bandwidth_gbs(nbytes: int, repeats: int = 10) -> float:
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def _head_ms(model: Any, repeats: int = 20) -> tuple[float, int]:
-    """One row through the LM head as the step runs it: (ms, bytes of its weight)."""
+def _head_ms(engine: Any, repeats: int = 20) -> tuple[float, int]:
+    """One row through the LM head as the step's greedy rows run it: (ms, bytes it reads). With
+    a screen (`EngineConfig.screen_lm_head`), the screen's copy and its candidates' rescoring;
+    else the head module (int8 / int4: codes and scales; float32: the parameter)."""
     import torch
 
-    head = model.lm_head
+    from kernels.greedy_head import Int8Screen, greedy_tokens
+    from kernels.int8_head_screen import screened_int8_argmax
+
+    head, screen = engine.model.lm_head, engine.lm_screen
+    cap = engine.model.config.final_logit_softcapping
     x = torch.randn(1, head.in_features)
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    if isinstance(screen, Int8Screen):
+        run, size = (lambda: greedy_tokens(x, head.weight, screen, cap)), nbytes([screen.q])
+    elif screen is not None:  # an int8 head's int4 copy
+
+        def run() -> Any:
+            return screened_int8_argmax(x, head.weight, head.scales, screen, cap)
+
+        size = nbytes([screen.w, screen.scales, screen.mins])
+    else:
+        run = lambda: head(x)  # noqa: E731
+        size = nbytes(head.buffers()) or nbytes([head.weight])
     with torch.inference_mode():
-        head(x)
+        run()
         t0 = time.perf_counter()
         for _ in range(repeats):
-            head(x)
+            run()
     seconds = (time.perf_counter() - t0) / repeats
-    nbytes = sum(t.numel() * t.element_size() for t in head.buffers()) or (
-        head.weight.numel() * head.weight.element_size()
-    )  # int8 / int4: codes and scales; float32: the parameter
-    return seconds * 1e3, nbytes
+    return seconds * 1e3, size
 
 
 def profile_steps(args: argparse.Namespace) -> JSON:
@@ -97,7 +115,7 @@ def profile_steps(args: argparse.Namespace) -> JSON:
     while engine.has_unfinished():
         engine.step()
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.top]
-    head_ms, head_bytes = _head_ms(engine.model)
+    head_ms, head_bytes = _head_ms(engine)
     steps.sort()
     bandwidth = _bandwidth_gbs(head_bytes)
     return {

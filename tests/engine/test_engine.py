@@ -11,6 +11,7 @@ from kernels.int4_linear import runs_vnni
 from kernels.int8_head_screen import Int4Screen
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import load_model
+from workers.engine.swaps import INT4_SCREEN_MIN_WEIGHTS
 from workers.engine.types import (
     FinishReason,
     GenerationRequest,
@@ -85,12 +86,11 @@ def test_screened_lm_head_gives_the_float32_heads_tokens(smollm2: Any) -> None:
     assert plain_steps == 0 and screened_steps > 0
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-def test_the_int4_screen_gives_the_int8_heads_tokens(model: str) -> None:
+def test_the_int4_screen_gives_the_int8_heads_tokens() -> None:
     """With int8 weights the head's argmax comes from its int4 copy and the rescored
     candidates (kernels/int8_head_screen.py): the same tokens as the full int8 head, batched
     (more than 4 rows: the op's block loop) and alone."""
-    loaded = load_model(model)  # a copy of its own: int8 rewrites the model
+    loaded = load_model("gemma3-270m")  # a copy of its own: int8 rewrites the model
     pairs = [("en", "de"), ("de", "en"), ("en", "es")]
     texts = ["Where is my parcel?", "Ich wurde zweimal belastet.", "My app keeps crashing.",
              "Can I change the delivery address of order 4711?", "Danke für Ihre Hilfe!",
@@ -110,6 +110,16 @@ def test_the_int4_screen_gives_the_int8_heads_tokens(model: str) -> None:
     screened, screened_steps = run(True)
     assert screened == full
     assert full_steps == 0 and (screened_steps > 0) == runs_vnni()
+
+
+def test_a_small_int8_head_is_read_whole() -> None:
+    """SmolLM2's 28 MB int8 head stays in cache: the screen would cost more than it saves."""
+    loaded = load_model("smollm2-135m")
+    assert loaded.model.lm_head.weight.numel() < INT4_SCREEN_MIN_WEIGHTS
+    eng = Engine(loaded, EngineConfig(kv_cache_tokens=2048, quantize="int8"))
+    assert eng.lm_screen is None
+    (res,) = eng.generate([eng.translation_request("Thank you!", "en", "de", max_new_tokens=6)])
+    assert res.ok and eng.stats.screened_steps == 0
 
 
 def test_sampled_requests_bypass_the_screen(engine: Engine) -> None:

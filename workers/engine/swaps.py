@@ -207,6 +207,11 @@ def convert_for_runtime(model: nn.Module, mode: str | None) -> nn.Module:
 
 
 HeadScreen = Int8Screen | Int4Screen  # a float32 head's (exact) or an int8 head's
+# The int4 screen pays where the int8 head streams from memory: Gemma 3's 168 MB head, batch-1
+# step 1.04-1.06x, batch 4 1.13-1.17x; SmolLM2's 28 MB one mostly stays in a 32 MiB L3 and the
+# screen's candidate passes cost more than its bytes save (1.03x at batch 1, 0.97x at 4; AMD EPYC
+# Zen 4, bench/head_screen.py). Heads below this many int8 weights keep the full head.
+INT4_SCREEN_MIN_WEIGHTS = 64 * 2**20
 
 
 def screen_lm_head(model: nn.Module) -> HeadScreen | None:
@@ -214,8 +219,9 @@ def screen_lm_head(model: nn.Module) -> HeadScreen | None:
     head, no C++ ops, an int8 head without the int4 VNNI loop):
     - a float32 head: an int8 copy with a rigorous error bound (`Int8Screen`, 168 MB for
       Gemma 3's head, ~1.5 s);
-    - an int8 head (`convert_for_runtime`): an int4 copy with a 6-sigma margin (`Int4Screen`,
-      105 MB, ~4 s), rescored by the int8 rows (kernels/int8_head_screen.py).
+    - an int8 head (`convert_for_runtime`) of at least `INT4_SCREEN_MIN_WEIGHTS`: an int4 copy
+      with a 6-sigma margin (`Int4Screen`, 105 MB, ~4 s), rescored by the int8 rows
+      (kernels/int8_head_screen.py).
     Its arrays go on huge pages. Built once per head weight and kept on the model, so engines
     over one loaded model share it."""
     head = getattr(model, "lm_head", None)
@@ -228,7 +234,8 @@ def screen_lm_head(model: nn.Module) -> HeadScreen | None:
         return cast(HeadScreen, cached[1])
     screen: HeadScreen
     if isinstance(head, WeightOnlyInt8Linear):
-        if not (runs_vnni() and Int4Screen.applies(weight)):
+        big = weight.numel() >= INT4_SCREEN_MIN_WEIGHTS
+        if not (big and runs_vnni() and Int4Screen.applies(weight)):
             return None
         built = Int4Screen.build(weight, head.scales)
         w, scales, mins = to_huge_pages([built.w, built.scales, built.mins])
