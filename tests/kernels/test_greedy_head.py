@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
 from kernels.greedy_head import (
     Int8Screen,
     greedy_tokens,
@@ -19,18 +18,7 @@ from kernels.greedy_head import (
 )
 from kernels.int8_linear import int8_linear
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_op() -> None:
-    if not cpu_ops.load():
-        pytest.fail(f"tolk's C++ ops did not build: {cpu_ops.error()}")
-
-
-@pytest.fixture(params=["cpp", "torch"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "torch":  # the portable version of the same rule
-        monkeypatch.setattr(cpu_ops, "LOADED", False)
-    return str(request.param)
+pytestmark = pytest.mark.usefixtures("cpu_ops_built")
 
 
 def _head(v: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

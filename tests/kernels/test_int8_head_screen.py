@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import cpu_ops
 from kernels.int4_linear import int4_linear, runs_vnni
 from kernels.int8_head_screen import (
     Int4Screen,
@@ -23,18 +22,7 @@ from kernels.int8_head_screen import (
 )
 from kernels.int8_linear import int8_linear, quantize_int8
 
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_op() -> None:
-    if not cpu_ops.load():
-        pytest.fail(f"tolk's C++ ops did not build: {cpu_ops.error()}")
-
-
-@pytest.fixture(params=["cpp", "torch"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "torch":  # the portable candidate pass (the int8 op stays the C++ one)
-        monkeypatch.setattr("kernels.int8_head_screen.cpu_ops.LOADED", False)
-    return str(request.param)
+pytestmark = pytest.mark.usefixtures("cpu_ops_built")
 
 
 def _head(v: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
