@@ -45,24 +45,20 @@ def _head_ms(engine: Any, repeats: int = 20) -> tuple[float, int]:
     else the head module (int8 / int4: codes and scales; float32: the parameter)."""
     import torch
 
-    from kernels.greedy_head import Int8Screen, greedy_tokens
-    from kernels.int8_head_screen import screened_int8_argmax
+    from kernels.greedy_head import Int8Screen
 
     head, screen = engine.model.lm_head, engine.lm_screen
-    cap = engine.model.config.final_logit_softcapping
     x = torch.randn(1, head.in_features)
 
     def nbytes(tensors: Any) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    if isinstance(screen, Int8Screen):
-        run, size = (lambda: greedy_tokens(x, head.weight, screen, cap)), nbytes([screen.q])
-    elif screen is not None:  # an int8 head's int4 copy
-
-        def run() -> Any:
-            return screened_int8_argmax(x, head.weight, head.scales, screen, cap)
-
-        size = nbytes([screen.w, screen.scales, screen.mins])
+    if screen is not None:  # the sampler's greedy path: the screen's copy and candidates
+        run = lambda: engine.sampler.greedy(x)  # noqa: E731
+        copy = (
+            [screen.q] if isinstance(screen, Int8Screen) else [screen.w, screen.scales, screen.mins]
+        )
+        size = nbytes(copy)
     else:
         run = lambda: head(x)  # noqa: E731
         size = nbytes(head.buffers()) or nbytes([head.weight])

@@ -91,16 +91,24 @@ def greedy_tokens_reference(
     return logits.argmax(dim=-1)
 
 
+def candidates(approx: Tensor, a: Tensor, norm: Tensor, act: Tensor, wt: Tensor) -> Tensor:
+    """approx [N, V], row factors a, norm [N, 1], entry constants act, wt [V] -> [N, V] bool:
+    every entry whose upper value (approx + bound, bound = a * act + norm * wt) reaches its
+    row's best lower value. The rule of both screens (the int4 one: kernels/int8_head_screen.py)
+    in torch ops; the C++ ops apply the same."""
+    bound = torch.addcmul(a * act, norm, wt)  # [N, V]
+    # float32 rounding of approx +- bound: a margin of a few ulps of the largest logit
+    slack = approx.abs().amax(dim=-1, keepdim=True) * 1e-6  # [N, 1]
+    best_lower = (approx - bound).amax(dim=-1, keepdim=True)  # [N, 1]
+    return approx + bound + slack >= best_lower
+
+
 def screen_candidates(x: Tensor, approx: Tensor, screen: Int8Screen) -> Tensor:
     """x [N, K] float32, approx [N, V] its int8 logits -> [N, V] bool: the entries that may
     hold each row's maximum logit (torch ops; the C++ op applies the same rule)."""
     a = x.abs().amax(dim=-1, keepdim=True) * (1.0 + 1e-6) / _ACT_STEPS  # [N, 1]
     norm = x.norm(dim=-1, keepdim=True) * (1.0 + 1e-5)  # [N, 1]
-    bound = torch.addcmul(a * screen.act, norm, screen.wt)  # [N, V]
-    # float32 rounding of approx +- bound: a margin of a few ulps of the largest logit
-    slack = approx.abs().amax(dim=-1, keepdim=True) * 1e-6  # [N, 1]
-    best_lower = (approx - bound).amax(dim=-1, keepdim=True)  # [N, 1]
-    return approx + bound + slack >= best_lower
+    return candidates(approx, a, norm, screen.act, screen.wt)
 
 
 def _screened_argmax_torch(

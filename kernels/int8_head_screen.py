@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from kernels import cpu_ops
+from kernels.greedy_head import candidates
 from kernels.int4_linear import GROUP, dequantize_int4, int4_linear, quantize_int4, supports
 from kernels.int8_linear import int8_linear
 
@@ -100,10 +101,11 @@ def candidate_union(x: Tensor, approx: Tensor, screen: Int4Screen) -> Tensor:
     """x [N, K], approx [N, V] its int4 logits -> long [U]: ascending ids that may hold some
     row's largest int8 logit (torch ops; `tolk::int4_screen_union` applies the same rule)."""
     dx, xn = row_factors(x)
-    margin = torch.addcmul(dx[:, None] * screen.norm, xn[:, None], screen.err)  # [N, V]
-    slack = approx.abs().amax(dim=-1, keepdim=True) * 1e-6  # float rounding of approx +- margin
-    best_lower = (approx - margin).amax(dim=-1, keepdim=True)  # [N, 1]
-    return (approx + margin + slack >= best_lower).any(dim=0).nonzero().squeeze(1)
+    return (
+        candidates(approx, dx[:, None], xn[:, None], screen.norm, screen.err)
+        .any(dim=0)
+        .nonzero()[:, 0]
+    )
 
 
 def int8_head_argmax_reference(

@@ -94,7 +94,10 @@ class ModelStep:
             return {}
         ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
         rows = hidden.index_select(0, ends)  # [N, D]
-        seqs = [out.chunks[i].seq for i in sampling]
+        return self._pick([out.chunks[i].seq for i in sampling], rows)
+
+    def _pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
+        """The sampled tokens of a step's sampling rows `rows` [N, D], eager or compiled."""
         if self.sampler.screens(seqs):
             self.stats.screened_steps += 1  # greedy only: no logits needed
         return self.sampler.pick(seqs, rows)
@@ -127,11 +130,7 @@ class ModelStep:
         # a step that samples nothing (a prompt's middle chunk) still gathers one row: the
         # graph has no zero-row variant
         rows = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])  # [S, D]
-        if not seqs:
-            return {}
-        if self.sampler.screens(seqs):
-            self.stats.screened_steps += 1  # greedy only: no logits needed
-        return self.sampler.pick(seqs, rows)
+        return self._pick(seqs, rows) if seqs else {}
 
     def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
         """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket

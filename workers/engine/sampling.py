@@ -44,15 +44,21 @@ class TokenSampler:
         """Whether `pick` takes these sequences' tokens from the screened LM head."""
         return self.lm_screen is not None and all(s.request.params.temperature <= 0 for s in seqs)
 
+    def greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy tokens [N] of `rows` [N, D] through the head's screen, or None where none
+        applies (no screen, rows not float32)."""
+        screen, cap = self.lm_screen, self.model.config.final_logit_softcapping
+        if screen is None or rows.dtype != torch.float32:
+            return None
+        if isinstance(screen, Int8Screen):  # a float32 head: no logits needed
+            return greedy_tokens(rows, self.model.lm_head.weight, screen, cap)
+        head = cast(WeightOnlyInt8Linear, self.model.lm_head)  # an int8 head
+        return screened_int8_argmax(rows, head.weight, head.scales, screen, cap)
+
     def pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
         """Each sequence's next token from its last hidden row, `rows` [N, D]."""
-        screen, cap = self.lm_screen, self.model.config.final_logit_softcapping
-        if screen is not None and rows.dtype == torch.float32 and self.screens(seqs):
-            if isinstance(screen, Int8Screen):  # a float32 head: no logits needed
-                tokens = greedy_tokens(rows, self.model.lm_head.weight, screen, cap)
-            else:  # an int8 head (swaps.WeightOnlyInt8Linear)
-                head = cast(WeightOnlyInt8Linear, self.model.lm_head)
-                tokens = screened_int8_argmax(rows, head.weight, head.scales, screen, cap)
+        tokens = self.greedy(rows) if self.screens(seqs) else None
+        if tokens is not None:
             return {seq.request_id: tok for seq, tok in zip(seqs, tokens.tolist(), strict=True)}
         return self.sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
 
