@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from schemas.codec import decode_result, encode_result
+from workers import reply_metadata
 from workers.client.types import TranslationReply
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.kafka.engine_retries import is_failed_run
@@ -292,3 +293,31 @@ def test_a_detector_that_raises_does_not_lose_the_answer(monkeypatch: pytest.Mon
     result = translate(engine, "time 4:41.30")
     assert result.ok and result.text == "Zeit 4:41.30" and len(inner.calls) == 1
     assert engine.checks == {("de", "check_failed"): 1} and engine.outcomes == {}
+
+
+def test_a_dropped_name_is_retried_then_sent_flagged_never_withheld() -> None:
+    # the names check is right 4 times in 5 (docs/PROMPTS.md): an answer that still lacks the
+    # name after the retry goes out flagged, under the default withhold policy too
+    source = "Please ask Cuddeback at the front desk."
+    engine, inner = make(lambda c: ("Bitte fragen Sie an der Rezeption.", FinishReason.STOP))
+    result = translate(engine, source)
+    assert len(inner.calls) == 2 and inner.calls[1].prompt_form == "zero_shot"
+    assert result.text == "Bitte fragen Sie an der Rezeption." and result.flagged
+    assert result.notes[NOTE_KEY] == "flagged"
+    assert result.notes[reply_metadata.FAITHFUL_PROBLEMS] == "name"
+    assert engine.checks == {("de", "name"): 1} and engine.outcomes == {("de", "flagged"): 1}
+
+    def fixed(call: Call) -> tuple[str, FinishReason]:  # the retry keeps the name
+        ok = call.prompt_form == "zero_shot"
+        text = "Bitte fragen Sie Cuddeback an der Rezeption." if ok else "Bitte fragen Sie hier."
+        return text, FinishReason.STOP
+
+    engine, _ = make(fixed)
+    assert translate(engine, source).notes[NOTE_KEY] == "retried"
+
+
+def test_a_dropped_name_with_a_withholding_problem_is_withheld() -> None:
+    engine, _ = make(lambda c: ("Bitte fragen Sie an Schalter 7.", FinishReason.STOP))
+    result = translate(engine, "Please ask Cuddeback at the front desk.")
+    assert result.finish_reason is FinishReason.WITHHELD
+    assert result.notes[reply_metadata.FAITHFUL_PROBLEMS] == "number,name"

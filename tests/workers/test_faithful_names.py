@@ -3,8 +3,9 @@
 The demo's case (issue #28): "... wollen heute Abend Aquaman sehen." -> "... go to the beach
 today." lost the film's name, while "Abend" (a German noun, capitalised) is translated, not a
 name. Also checked: names kept through inflection and spelling, sentence starts, acronyms,
-placeholders left to the span check, and the references of data/ (human translations keep
-their names, so the check must rarely call them)."""
+placeholders left to the span check, the word-frequency tests (a frequent word, a word the
+target language writes far less often, a compound of words), and the references of data/ (human
+translations keep their names, so the check must rarely call them)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from replay.datasets import flores
 from workers.stages.faithful.names import (
+    COMMON_ZIPF,
     common_words,
     dropped_names,
     is_sentence_start,
     name_candidates,
+    zipf,
 )
 from workers.stages.faithful.rules import check
 
@@ -34,36 +38,68 @@ def test_the_demo_answer_lost_the_films_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "source,translation,lang,want",
+    "source,translation,lang,target,want",
     [
         # English days, months and languages are common words: translated, not dropped
-        ("It comes on Monday, in English.", "Es kommt am Montag, auf Deutsch.", "en", ()),
-        ("Please call Anna at Starbucks.", "Bitte Anna bei Starbucks anrufen.", "en", ()),
+        ("It comes on Monday, in English.", "Es kommt am Montag, auf Deutsch.", "en", None, ()),
+        ("Please call Okafor at Starbucks.", "Bitte Okafor bei Starbucks anrufen.", "en", None, ()),
         (
-            "Please call Anna at Starbucks.",
+            "Please call Okafor at Starbucks.",
             "Bitte sie im Café anrufen.",
             "en",
-            ("Anna", "Starbucks"),
+            None,
+            ("Okafor", "Starbucks"),
         ),
-        # inflected, spelled without umlauts, inside a compound
-        ("Das ist Annas Fahrrad.", "This is Anna's bike.", "de", ()),
-        ("Ich wohne in Düsseldorf.", "I live in Duesseldorf.", "de", ()),
-        ("Wir sehen den Aquaman Film.", "We watch the Aquaman-film.", "de", ()),
+        # inflected, spelled without umlauts, inside a compound, a possessive cut
+        ("Das ist Annas Fahrrad.", "This is Anna's bike.", "de", None, ()),
+        ("Ich wohne in Düsseldorf.", "I live in Duesseldorf.", "de", None, ()),
+        ("Wir sehen den Aquaman Film.", "We watch the Aquaman-film.", "de", None, ()),
+        ("We love Aquaman's songs.", "Wir lieben die Lieder.", "en", "de", ("Aquaman",)),
         # a sentence start is not a name position; acronyms and short words are not names
-        ("Tom is here. Berlin is big.", "Er ist hier. Sie ist groß.", "en", ()),
-        ("Send it to the EU via DHL.", "Schicke es in die Union.", "en", ()),
-        # camel case is a name anywhere
-        ("iPhone owners can call us.", "Besitzer können uns anrufen.", "en", ("iPhone",)),
-        # placeholders and links are the span check's
-        ("Hi #NAME#, see https://Example.com/Help", "Hallo, siehe unten", "en", ()),
-        # a German compound of common words is common
-        ("Ihr Ersatzgerät kommt morgen.", "Your replacement device arrives tomorrow.", "de", ()),
+        ("Tom is here. Berlin is big.", "Er ist hier. Sie ist groß.", "en", None, ()),
+        ("Send it to the EU via DHL.", "Schicke es in die Union.", "en", None, ()),
+        # camel case is a name anywhere, however frequent
+        ("iPhone owners can call us.", "Besitzer können uns anrufen.", "en", "de", ("iPhone",)),
+        # placeholders and links are the span check's; a unit after a number is no name
+        ("Hi #NAME#, see https://Example.com/Help", "Hallo, siehe unten", "en", None, ()),
+        ("Up to 600Mbit/s and 20 Euro.", "Bis zu 600 und 20.", "en", "de", ()),
+        # a German compound of common words is common, also one of frequent words
+        (
+            "Ihr Ersatzgerät kommt morgen.",
+            "Your replacement device arrives tomorrow.",
+            "de",
+            "en",
+            (),
+        ),
+        ("Die Keimbahnzellen sind hier.", "The germ cells are here.", "de", "en", ()),
+        # frequent words are common ("Court", "House"); a rare name is copied
+        ("Meet me at the Court House.", "Treffen wir uns am Gericht.", "en", "de", ()),
+        (
+            "The driver was Zachary Cuddeback.",
+            "Der Fahrer war Zachary Cudback.",
+            "en",
+            "de",
+            ("Cuddeback",),
+        ),
+        # a name the target spells its own way: checked without the target, not with it
+        ("We ship to Moldova.", "Wir liefern nach Moldawien.", "en", None, ("Moldova",)),
+        ("We ship to Moldova.", "Wir liefern nach Moldawien.", "en", "de", ()),
+        # a transliteration one letter off is kept
+        ("Er flog nach Bischkek.", "He flew to Bishkek.", "de", "en", ()),
         # no list for the language: no call
-        ("Je parle avec Marie.", "I talk to her.", "xx", ()),
+        ("Je parle avec Marie.", "I talk to her.", "xx", None, ()),
     ],
 )
-def test_dropped_names(source: str, translation: str, lang: str, want: tuple[str, ...]) -> None:
-    assert dropped_names(source, translation, lang) == want
+def test_dropped_names(
+    source: str, translation: str, lang: str, target: str | None, want: tuple[str, ...]
+) -> None:
+    assert dropped_names(source, translation, lang, target) == want
+
+
+def test_the_frequencies_behind_the_cases_above() -> None:
+    # the packaged word frequencies (wordfreq) the tests above rely on
+    assert zipf("court", "en") >= COMMON_ZIPF > zipf("moldova", "en") > zipf("moldova", "de") + 0.8
+    assert zipf("cuddeback", "en") < 2.0 and zipf("erdbeben", "en") == 0.0
 
 
 def test_a_crafted_compound_takes_no_time() -> None:
@@ -101,26 +137,54 @@ def test_human_translations_rarely_drop_a_name() -> None:
     dev = json.loads(Path("data/bcontrast_wmt20_chat/dev.json").read_text("utf-8"))
     turns = [t for conv in dev.values() for t in conv]
     src_lang = {"agent": "en", "customer": "de"}
-    called = [t for t in turns if dropped_names(t["source"], t["target"], src_lang[t["speaker"]])]
+    tgt_lang = {"agent": "de", "customer": "en"}
+    called = [
+        t
+        for t in turns
+        if dropped_names(t["source"], t["target"], src_lang[t["speaker"]], tgt_lang[t["speaker"]])
+    ]
     assert len(turns) > 1000
-    assert len(called) / len(turns) < 0.025, [(t["source"], t["target"]) for t in called[:20]]
+    assert len(called) / len(turns) < 0.01, [(t["source"], t["target"]) for t in called[:20]]
 
 
-def test_the_check_reports_names_without_making_the_answer_suspect() -> None:
+def test_news_references_rarely_drop_a_name() -> None:
+    # FLORES-200 devtest, every direction among en, de, fr, es, it (20,240 human translations
+    # full of names and exonyms): 4.2 % called when the thresholds were chosen, mostly German
+    # nouns wordfreq does not know and transliterations ("Timbuktu" / "Tombouctou")
+    langs = ("en", "de", "fr", "es", "it")
+    texts = {lang: flores(lang) for lang in langs}
+    called = total = 0
+    for s in langs:
+        for t in langs:
+            if s != t:
+                pairs = zip(texts[s], texts[t], strict=True)
+                called += sum(bool(dropped_names(a, b, s, t)) for a, b in pairs)
+                total += len(texts[s])
+    assert total > 20000
+    assert called / total < 0.05
+
+
+def test_a_dropped_name_is_the_answers_problem() -> None:
     found = check(DEMO_SOURCE, DEMO_ANSWER, [], "en", source_lang="de")
     assert found.dropped_names == ("Aquaman",)
-    assert found.observed == ("name",) and "name" not in found.problems
+    assert found.problems == ("name",) and found.suspect
 
 
 def test_the_hand_judged_sample_is_still_flagged() -> None:
-    # data/judged/names.jsonl: 50 of the 266 Gemma 3 answers (of 1,000) the check flagged, drawn
-    # at random and judged by hand (26 lost a name: precision 0.52, why the check is observed
-    # only); a change of the check must keep flagging them as judged, or the sample is redone
+    # data/judged/names.jsonl, sample names-2: 55 drawn at random from the 138 of Gemma 3's
+    # 1,126 unguarded FLORES answers the check flags (directions it was not judged on before),
+    # judged by hand: 44 lost a name (precision 0.80). A change of the check must keep flagging
+    # them as judged, or the sample is redone. names-1 (50 rows, 26 right) judged the check of
+    # 2026-12-04, before the word frequencies: kept as the record of that figure.
     path = Path(__file__).resolve().parents[2] / "data" / "judged" / "names.jsonl"
     rows = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
-    assert len(rows) == 50
-    for r in rows:
-        got = dropped_names(r["source"], r["output"], r["pair"].split("-")[0])
+    old = [r for r in rows if r["sample"] == "names-1"]
+    new = [r for r in rows if r["sample"] == "names-2"]
+    assert (len(old), sum(r["judgement"] == "name lost" for r in old)) == (50, 26)
+    assert len(new) == 55
+    for r in new:
+        source_lang, target_lang = r["pair"].split("-")
+        got = dropped_names(r["source"], r["output"], source_lang, target_lang)
         assert list(got) == r["flagged"], r["source"]
-    right = sum(r["judgement"] == "name lost" for r in rows)
-    assert right == 26  # the recorded judgements; PROMPTS.md states the precision from them
+    right = sum(r["judgement"] == "name lost" for r in new)
+    assert right == 44  # the recorded judgements; PROMPTS.md states the precision from them

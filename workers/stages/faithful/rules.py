@@ -36,8 +36,9 @@ a cap stops them. Each has a detector here, and `check` runs them all:
   the caller gives the source language.
 - `dropped_names` (issue #28, `workers/stages/faithful/names.py`): proper names of the source
   missing from the translation ("... heute Abend Aquaman sehen." -> "... go to the beach
-  today."). Only with the source language; *observed*, not a problem: counted, but an answer is
-  not retried or withheld for it until its precision is measured (`Check.observed`).
+  today."). Only with the source language. The mildest problem: the stage retries for it but,
+  its precision being 0.80 on judged answers, sends an answer that still lacks a name flagged,
+  never withheld (`stage.FLAG_ONLY`).
 
 `LengthCaps` is the length guard: per language pair, a cap of `ceil(slope * source tokens +
 intercept)` output tokens fitted on the parallel data in `data/` so that it covers
@@ -206,7 +207,7 @@ class Check:
     invented_numbers: tuple[str, ...] = ()  # digits the source does not hold (numbers.py)
     dropped_spans: tuple[str, ...] = ()  # placeholders, links, ids it lost (spans.py)
     language: str | None = None  # "untranslated" / "wrong_language" (language.py)
-    dropped_names: tuple[str, ...] = ()  # names it lost (names.py): observed only
+    dropped_names: tuple[str, ...] = ()  # names it lost (names.py)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -226,16 +227,14 @@ class Check:
             names.append("dropped")
         if self.language is not None:
             names.append(self.language)
+        if self.dropped_names:
+            names.append("name")
         return tuple(names)
 
     @property
     def suspect(self) -> bool:
         return bool(self.problems)
 
-    @property
-    def observed(self) -> tuple[str, ...]:
-        """What fired among the checks that are counted but make no answer suspect."""
-        return ("name",) if self.dropped_names else ()
 
 
 def check(
@@ -263,7 +262,9 @@ def check(
             if source_lang
             else None
         ),
-        dropped_names=dropped_names(source, translation, source_lang) if source_lang else (),
+        dropped_names=(
+            dropped_names(source, translation, source_lang, target_lang) if source_lang else ()
+        ),
     )
 
 
