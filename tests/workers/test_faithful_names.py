@@ -110,7 +110,7 @@ def test_a_crafted_compound_takes_no_time() -> None:
     lists = {"de": frozenset(parts)}  # listed parts of 4-10 letters that overlap everywhere
     word = "Ab" + "ab" * 29 + "x"  # 61 letters, no split ends (unmemoised: ~3x per 4 letters)
     t0 = time.perf_counter()
-    assert dropped_names(f"Das ist {word} hier.", "That is it.", "de", lists) == (word,)
+    assert dropped_names(f"Das ist {word} hier.", "That is it.", "de", lists=lists) == (word,)
     assert time.perf_counter() - t0 < 0.5
 
 

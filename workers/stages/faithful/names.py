@@ -240,6 +240,7 @@ def dropped_names(
     translation: str,
     source_lang: str,
     target_lang: str | None = None,
+    *,
     lists: Mapping[str, frozenset[str]] | None = None,
 ) -> tuple[str, ...]:
     """The names of `source` missing from `translation` (module docstring); without
