@@ -19,6 +19,12 @@ FOUND = [
     ("Ich habe meine Bestellung noch nicht erhalten, können Sie das prüfen?", "de", "en",
      "untranslated"),
     ("Wir wollen heute Abend Aquaman im Kino sehen.", "de", "en", "untranslated"),  # a name in it
+    # `tolk demo`'s en->es answer, word for word (15 letters), and a plain English copy that
+    # lingua gives only 0.58 of its confidence among seven languages: both were sent before
+    # the thresholds moved to 12 letters / 0.45 (Gemma 3's answers, issue #28)
+    ("Suche suche suche.", "en", "es", "wrong_language"),
+    ("ok, your total will come out to $72, is that ok?", "en", "de", "untranslated"),
+    ("I'm a taxi driver, and I'm happy to help you.", "en", "it", "untranslated"),
 ]  # fmt: skip
 
 NOT_CALLED = [

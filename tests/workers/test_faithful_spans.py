@@ -3,6 +3,9 @@ dropped are found; the same spans copied (or reformatted where allowed) pass."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from workers.stages.faithful.rules import check
@@ -50,3 +53,15 @@ def test_a_dropped_placeholder_makes_the_answer_suspect() -> None:
     found = check(source, translation, [], "de")
     assert found.dropped_spans == ("#PRS_ORG#",) and "dropped" in found.problems
     assert not check(*KEPT[0], [], "de").dropped_spans
+
+
+def test_the_hand_judged_sample_is_still_flagged() -> None:
+    # data/judged/spans.jsonl: every answer the check flagged among Gemma 3's 650 unguarded
+    # answers to real BConTrasT turns whose names were anonymised as #NAME#
+    # (`bench/spans_sample.py`), judged by hand: all 71 lost or mangled the placeholder
+    path = Path(__file__).resolve().parents[2] / "data" / "judged" / "spans.jsonl"
+    rows = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+    assert len(rows) == 71
+    for r in rows:
+        assert list(dropped_spans(r["source"], r["output"])) == r["flagged"], r["source"]
+    assert sum(r["judgement"] == "dropped" for r in rows) == 71
