@@ -236,7 +236,6 @@ class Check:
         return bool(self.problems)
 
 
-
 def check(
     source: str,
     translation: str,
