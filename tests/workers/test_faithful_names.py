@@ -112,6 +112,11 @@ def test_a_crafted_compound_takes_no_time() -> None:
     t0 = time.perf_counter()
     assert dropped_names(f"Das ist {word} hier.", "That is it.", "de", lists=lists) == (word,)
     assert time.perf_counter() - t0 < 0.5
+    # nor a long run of digits before many words (the unit test looks back a few characters)
+    text = "1" * 20000 + " Zyx" * 2000
+    t0 = time.perf_counter()
+    assert dropped_names(text, "", "en", "de") == ("Zyx",)  # once, though 2,000 times there
+    assert time.perf_counter() - t0 < 2.0
 
 
 def test_sentence_starts_and_candidates() -> None:

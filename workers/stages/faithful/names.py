@@ -132,7 +132,7 @@ def name_candidates(source: str) -> list[str]:
     out = []
     for offset, word in words(masked):
         start = is_sentence_start(masked, offset)
-        if _AFTER_NUMBER.search(source[:offset]):  # a unit: "54 Mbit", "600Mbit/s"
+        if _AFTER_NUMBER.search(source[max(0, offset - 24) : offset]):  # "54 Mbit", "600Mbit/s"
             continue
         for i, part in enumerate(p for p in word.split("-") if p):
             part = _POSSESSIVE.sub("", part)
