@@ -10,11 +10,11 @@ between the languages tolk serves, so one that the translation does not hold is 
   not all capitals (acronyms such as "EU" or "USA" are translated as often as copied), not a
   unit after a number ("54 Mbit"), and outside the protected spans (`#NAME#`, URLs, e-mail
   addresses, ids: `spans.py` checks those); plus words with a capital after a small letter
-  anywhere ("iPhone", "eBay": always names, the tests below skipped); a possessive "'s" is
+  anywhere ("iPhone", "eBay": always names, tests 1-4 below skipped); a possessive "'s" is
   cut ("Korea's" -> "Korea");
 - **not common words** of the source language: German capitalises every noun ("heute *Abend*"),
   English its days, months and languages ("on *Monday*"), and those are translated, not
-  copied. Three tests, any one enough:
+  copied. Four tests, any one enough:
   1. the packaged lists (`common_words.json`, built by `bench/common_words.py` from the
      training sides of data/: BConTrasT train and Tatoeba, never the dev or FLORES sets the
      check is measured on): every word seen there less the names its human translations copied
