@@ -23,6 +23,9 @@ INVENTED = [
     ("I went there", "Ich war 1 Mal dort", ("1",)),  # "I" is no Roman numeral
     ("Le mois dernier, L'Iran", "Last month, 50 planes in Iran", ("50",)),  # nor "Le", "L'"
     ("at 12:30:45", "um 12:31:45 Uhr", ("12:31:45",)),
+    # a decade of another year, and a number cut short before more text, are still invented
+    ("in 1960", "in 1970", ("1970",)),
+    ("Bis 1976 wurden", "Depuis 1976, 19 personnes.", ("19",)),
 ]  # fmt: skip
 
 FAITHFUL = [
@@ -68,6 +71,12 @@ FAITHFUL = [
     ("Hi <x1>, your order <x2> is late", "Hallo <x1>, Ihre Bestellung <x2> ist verspätet"),
     ("No numbers here.", "Hier keine Zahlen."),
     ("Quinze euros, s'il vous plaît", "15 euros, please"),
+    # a decade of the source as its year (flores-fresh-1's false alarms, fixed after judging)
+    ("Negli anni '80 ha collaborato", "En 1980, il a collaboré"),
+    ("Durante los años 60, trabajó", "During the 1960s, he worked"),
+    ("in den 60er Jahren", "in the 1960s"),
+    # a loop of a source number cut by the output cap
+    ("Bis 1976 wurden", "Depuis 1976, 1976, 1976, 19"),
 ]
 
 
@@ -99,7 +108,8 @@ def test_check_reports_an_invented_number_as_a_problem() -> None:
 
 def test_the_hand_judged_sample_is_still_flagged_and_precise() -> None:
     # data/judged/invented_numbers.jsonl: every output the check flagged on real answers of
-    # both models, each judged by hand; a change of the check must keep flagging them, and the
+    # both models, each judged by hand; a change of the check must keep flagging every answer
+    # judged invented (it may stop flagging one judged a false alarm: that is a fix), and the
     # judged precision must stay >= 0.8 (issue #28, Done-when 2)
     import json
     from pathlib import Path
@@ -107,8 +117,9 @@ def test_the_hand_judged_sample_is_still_flagged_and_precise() -> None:
     path = Path(__file__).resolve().parents[2] / "data" / "judged" / "invented_numbers.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert len(records) >= 20
-    assert all(invented_numbers(r["source"], r["output"]) for r in records)
-    invented = sum(r["judgement"] == "invented" for r in records)
+    judged_right = [r for r in records if r["judgement"] == "invented"]
+    assert all(invented_numbers(r["source"], r["output"]) for r in judged_right)
+    invented = len(judged_right)
     assert invented / len(records) >= 0.8
 
 

@@ -13,7 +13,10 @@ change:
   time (French "10 h 08", "10h00", "11 heures" for "11:35 pm"); an hour followed by a clock
   word ("7pm", "seven o'clock", "19 Uhr") also supports the same hour on the other 12-hour
   clock and as h:00 (a plain "3 items" does not support "15");
-- a year supports its last two digits after an apostrophe ("the 1980s" -> "gli anni '80");
+- a year supports its last two digits after an apostrophe ("the 1980s" -> "gli anni '80"), and
+  a decade of the source ("anni '70", "años 60", "60er") supports its year ("the 1970s", "1960");
+- a number at the very end of the translation that begins a number of the source is a loop cut
+  by the output cap ("... 1976, 1976, 19"), not a new figure (the loop check names the loop);
 - number words of the source, in the languages the worker serves (en, de, fr, es, it, pt, nl):
   "fifteen" / "fünfzehn" / "quinze" support 15, "first" supports 1 ("1." in German), "a
   dozen" 12, "half" 0.5; tens and units written as one word or with a hyphen ("twenty-five",
@@ -204,6 +207,25 @@ def number_values(text: str) -> set[float]:
     return values
 
 
+_DECADE = re.compile(
+    r"(?:['’]|\b(?:anni|años|annees|années|decenni|years)\s+['’]?)(\d0)\b|\b(\d0)er\b",
+    re.IGNORECASE,
+)
+
+
+def _source_decades(source: str) -> set[str]:
+    """The two-digit decades the source names ("anni '70", "años 60", "60er Jahre")."""
+    return {a or b for a, b in _DECADE.findall(source)}
+
+
+def _cut_at_the_end(m: re.Match[str], translation: str, source_digits: list[str]) -> bool:
+    """Whether the token ends the translation and begins a longer number of the source."""
+    if translation[m.end() :].strip():
+        return False
+    digits = re.sub(r"\D", "", m[0])
+    return any(d.startswith(digits) and len(d) > len(digits) for d in source_digits)
+
+
 def _parts_in_context(source: str) -> tuple[set[float], set[float]]:
     """(hours and minutes of the source's clock times, two-digit forms of its years): what a
     number of the translation may be when its context says so (`invented_numbers`)."""
@@ -225,6 +247,8 @@ def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
         return ()
     support = number_values(source)
     clock, decades = _parts_in_context(source)
+    source_decades = _source_decades(source)
+    source_digits = [re.sub(r"\D", "", t) for t in _NUMBER.findall(source)]
     invented = []
     for m in matches:
         token = m[0]
@@ -236,6 +260,10 @@ def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
             continue  # "11 heures", "10h00", "10 h 08" of a source's "11:35 pm", "10:08"
         if value in decades and before.endswith(("'", "’")):
             continue  # "gli anni '80" of "the 1980s"
+        if len(token) == 4 and token[:2] in ("19", "20") and token[2:] in source_decades:
+            continue  # "the 1970s" of "anni '70"
+        if _cut_at_the_end(m, translation, source_digits):
+            continue  # "..., 1976, 19" at the output cap
         invented.append(token)
     return tuple(invented)
 
