@@ -323,9 +323,10 @@ def test_a_run_stops_sending_once_every_language_is_decided(kafka_bootstrap, pre
     assert 60 <= summary["sent"] < 400  # stopped early, after real evidence
     assert summary["unanswered"] == {"A": 0, "B": 0}  # what was sent was waited for
     # the checks run in the send loop: they must not hold the sends up (a first sacrebleu
-    # import inside the loop once cost 115 ms; see test_mirror_replay_to_two_arms on the P99)
+    # import inside the loop once cost 115 ms; see test_mirror_replay_to_two_arms on the P99).
+    # 80 ms: the suite's two processes on two cores put the P90 at 56 ms once (2026-12-05)
     lags = sorted(abs(r["sent_ms"] - r["scheduled_ms"]) for r in requests_of(tmp_path / "run"))
-    assert lags[int(0.9 * len(lags))] < 50
+    assert lags[int(0.9 * len(lags))] < 80
     info = rd.read_run_info(tmp_path / "run")
     assert info["stopped_early"]["sent"] <= summary["sent"]
     assert info["stopped_early"]["verdicts"] == {
