@@ -223,7 +223,9 @@ def _one_off(a: str, b: str) -> bool:
     return any(short == long_[:i] + long_[i + 1 :] for i in range(len(long_)))
 
 
-def _kept(name: str, folded_translation: str, spelled_translation: str) -> bool:
+def _kept(
+    name: str, folded_translation: str, spelled_translation: str, folded_words: list[str]
+) -> bool:
     f = fold(name)
     if f in folded_translation or _umlauts_spelled(name) in spelled_translation:
         return True
@@ -231,9 +233,7 @@ def _kept(name: str, folded_translation: str, spelled_translation: str) -> bool:
         return True
     if len(f) >= PREFIX_FROM_CHARS and f[:-2] in folded_translation:
         return True
-    return len(f) >= ONE_OFF_FROM_CHARS and any(
-        _one_off(f, w) for w in _FOLDED_WORD.findall(folded_translation)
-    )
+    return len(f) >= ONE_OFF_FROM_CHARS and any(_one_off(f, w) for w in folded_words)
 
 
 def dropped_names(
@@ -251,12 +251,13 @@ def dropped_names(
     if common is None:
         return ()
     folded, spelled = fold(translation), _umlauts_spelled(translation)
+    folded_words = _FOLDED_WORD.findall(folded)  # read once, for every candidate
     dropped: list[str] = []
     for name in name_candidates(source):
         if name in dropped:
             continue
         if not _CAMEL.search(name) and _is_common(name, common, source_lang, target_lang):
             continue
-        if not _kept(name, folded, spelled):
+        if not _kept(name, folded, spelled, folded_words):
             dropped.append(name)
     return tuple(dropped)

@@ -226,12 +226,12 @@ def _cut_at_the_end(m: re.Match[str], translation: str, source_digits: list[str]
     return any(d.startswith(digits) and len(d) > len(digits) for d in source_digits)
 
 
-def _parts_in_context(source: str) -> tuple[set[float], set[float]]:
+def _parts_in_context(source_tokens: list[str]) -> tuple[set[float], set[float]]:
     """(hours and minutes of the source's clock times, two-digit forms of its years): what a
     number of the translation may be when its context says so (`invented_numbers`)."""
     clock: set[float] = set()
     decades: set[float] = set()
-    for token in _NUMBER.findall(source):
+    for token in source_tokens:
         if m := _CLOCK.fullmatch(token):
             h = int(m[1])
             clock |= {float(h), float((h + 12) % 24), float(int(m[2]))}
@@ -246,9 +246,10 @@ def invented_numbers(source: str, translation: str) -> tuple[str, ...]:
     if not matches:
         return ()
     support = number_values(source)
-    clock, decades = _parts_in_context(source)
+    source_tokens = _NUMBER.findall(source)  # the source's numbers, read once
+    clock, decades = _parts_in_context(source_tokens)
     source_decades = _source_decades(source)
-    source_digits = [re.sub(r"\D", "", t) for t in _NUMBER.findall(source)]
+    source_digits = [re.sub(r"\D", "", t) for t in source_tokens]
     invented = []
     for m in matches:
         token = m[0]
