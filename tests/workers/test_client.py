@@ -119,3 +119,56 @@ def test_translate_before_start_is_an_error() -> None:
             await client.translate("x", to="de")
 
     asyncio.run(main())
+
+
+def test_a_reply_on_a_partition_added_while_the_client_runs_reaches_it(
+    served: tuple[str, str],
+) -> None:
+    """The client takes the reply topic's partitions itself (it joins no group, so a broker
+    restart re-assigns nothing): one added while it runs is taken from its beginning within
+    `partition_check_s`."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    from schemas.codec import decode_request, encode_result
+    from tests.workers.fakes import TopicReader
+    from topics.catalog import REPLIES, request_topic
+
+    bootstrap, prefix = served
+    reply_topic = prefix + REPLIES
+    requests = TopicReader(bootstrap, prefix + request_topic("es"))  # es: no worker
+
+    async def main() -> None:
+        client = TranslationClient(bootstrap, topic_prefix=prefix)
+        client.partition_check_s = 0.5
+        async with client:
+            before = len(client._assigned)
+            admin = AdminClient({"bootstrap.servers": bootstrap})
+            groups = admin.list_consumer_groups().result(30).valid
+            assert client.group_id not in {g.group_id for g in groups}  # joined none
+            grown = admin.create_partitions([NewPartitions(reply_topic, before + 1)])
+            grown[reply_topic].result(30)
+            pending = asyncio.ensure_future(client.translate("hola", to="es", timeout=30))
+            for _ in range(200):  # the request on the broker, and the new partition taken
+                if requests.snapshot() and len(client._assigned) == before + 1:
+                    break
+                await asyncio.sleep(0.05)
+            request = decode_request(requests.snapshot()[0][1])
+            reply = {
+                "request_id": request["request_id"], "status": "OK", "text": "hola!",
+                "error": None, "model_version": "by-hand", "source_lang": "es",
+                "target_lang": "es", "timings": {"queue_ms": 0.0, "prefill_ms": 0.0,
+                "decode_ms": 0.0, "total_ms": 0.0}, "tokens_in": 1, "tokens_out": 1,
+                "cached_prefix_tokens": 0, "worker_id": "hand", "completed_at": 0,
+                "conversation_id": None,
+            }  # fmt: skip
+            producer = Producer({"bootstrap.servers": bootstrap})
+            producer.produce(reply_topic, encode_result(reply), partition=before)
+            assert producer.flush(10) == 0
+            answer = await asyncio.wait_for(pending, 30)
+            assert answer.text == "hola!" and len(client._assigned) == before + 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        requests.close()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
 from schemas.codec import decode_request, encode_result
 from topics.catalog import REPLIES
@@ -88,13 +88,17 @@ class FakeWorld:
         self.raise_on_produce: BaseException | None = None
         self.waiting: list[tuple[Callable[..., None], bytes]] = []  # accepted, not delivered
         self.replies: list[_Msg] = []
+        self.partitions = 1  # of the reply topic
+        self.high: dict[int, int] = {}  # its partitions' high watermarks
+        self.consumers: list[FakeConsumer] = []
 
     def producer(self, conf: dict[str, Any]) -> FakeProducer:
         self.producer_conf = conf
         return FakeProducer(self)
 
     def consumer(self, conf: dict[str, Any]) -> FakeConsumer:
-        return FakeConsumer(self)
+        self.consumers.append(FakeConsumer(self))
+        return self.consumers[-1]
 
 
 class FakeProducer:
@@ -134,24 +138,36 @@ class FakeProducer:
         return 0 if self.world.down.is_set() else self.poll(0)
 
 
+class _TopicMeta:
+    def __init__(self, partitions: dict[int, object]) -> None:
+        self.partitions, self.error = partitions, None
+
+
+class _Metadata:
+    def __init__(self, topics: dict[str, _TopicMeta]) -> None:
+        self.topics = topics
+
+
 class FakeConsumer:
+    """The reply topic with `world_partitions` partitions, taken with assign() (no group)."""
+
     def __init__(self, world: FakeWorld) -> None:
         self.world = world
-        self._on_assign: Any = None
+        self.assigned: list[TopicPartition] = []
 
-    def subscribe(self, topics: list[str], on_assign: Any = None) -> None:
-        self._on_assign = on_assign
+    def list_topics(self, topic: str, timeout: float = -1) -> _Metadata:
+        return _Metadata({topic: _TopicMeta({p: object() for p in range(self.world.partitions)})})
 
     def get_watermark_offsets(self, tp: TopicPartition, **_kw: Any) -> tuple[int, int]:
-        return 0, 0
+        return 0, self.world.high.get(tp.partition, 0)
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self.assigned = list(partitions)
 
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
-        pass
+        self.assigned += partitions
 
     def poll(self, timeout: float = 0) -> _Msg | None:
-        if self._on_assign is not None:
-            on_assign, self._on_assign = self._on_assign, None
-            on_assign(self, [TopicPartition(REPLIES, 0)])
         with self.world.lock:
             if self.world.replies:
                 return self.world.replies.pop(0)
@@ -321,3 +337,42 @@ def test_timeout_before_delivery_says_the_broker_never_acknowledged() -> None:
         world.down.clear()
 
     asyncio.run(main())
+
+
+def test_reply_partitions_are_pinned_at_their_end_and_new_ones_taken_from_their_start() -> None:
+    """No consumer group (a group's re-assignment after a broker restart re-pinned the
+    partitions past the replies produced meanwhile): the client assigns every partition itself
+    at its high watermark, and one added later from its beginning."""
+    world = FakeWorld()
+    world.partitions, world.high = 2, {0: 7, 1: 3}
+
+    async def main() -> None:
+        client = client_for(world)
+        client.partition_check_s = 0.05
+        async with client:
+            consumer = world.consumers[-1]
+            assert [(tp.partition, tp.offset) for tp in consumer.assigned] == [(0, 7), (1, 3)]
+            world.partitions = 3
+            for _ in range(100):
+                if len(consumer.assigned) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert (consumer.assigned[2].partition, consumer.assigned[2].offset) == (
+                2,
+                OFFSET_BEGINNING,
+            )
+            assert (await client.translate("still here", to="de", timeout=5)).ok
+
+    asyncio.run(main())
+
+
+def test_a_reply_topic_that_is_not_there_fails_the_start_naming_it() -> None:
+    world = FakeWorld()
+    world.partitions = 0
+
+    async def main() -> None:
+        async with client_for(world, start_timeout=0.5):
+            pass
+
+    with pytest.raises(TranslationError, match=r"reply topic 'tolk.replies': no partitions"):
+        asyncio.run(main())

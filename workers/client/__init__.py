@@ -6,12 +6,13 @@
 
 Requests go to `tolk.requests.<to>` with a fresh request id (uuid4) and `reply_topic` set to
 the client's reply topic (default `tolk.replies`, shared with other clients). The client reads
-that topic with a consumer group of its own (one per client instance, so every client sees every
-reply) and resolves the future whose request id matches; replies for other clients are ignored.
+every partition of that topic itself (`assign()`, no consumer group: every client sees every
+reply, and a broker restart never re-assigns anything) and resolves the future whose request
+id matches; replies for other clients are ignored.
 
-No reply may be missed: on assignment the client pins each reply partition at its current end
-(the high watermark, what `auto.offset.reset=latest` means) before it lets the first request
-out, so every reply to a request sent afterwards lies at or after the pinned offset.
+No reply may be missed: before the first request goes out the client pins each reply partition
+at its current end (the high watermark), so every reply to a request sent afterwards lies at or
+after the pinned offset; the positions then only move forward, through broker restarts too.
 
 confluent-kafka is blocking, so one background thread polls the consumer (and serves the
 producer's delivery reports) and hands results to the event loop with `call_soon_threadsafe`.
@@ -145,6 +146,8 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
         self.close_wait_s = 10.0  # how long close() waits for the poll thread to end
         self._closing = threading.Event()
         self._ready = threading.Event()
+        self._assigned: set[int] = set()
+        self.partition_check_s = 10.0  # new reply partitions are looked for this often
         self._start_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, asyncio.Future[TranslationReply]] = {}
@@ -166,7 +169,7 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
         await self.close()
 
     async def start(self) -> None:
-        """Connect, join the reply topic and wait until its partitions are pinned."""
+        """Connect, take the reply topic's partitions and wait until they are pinned."""
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -193,10 +196,8 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
                 "auto.offset.reset": "latest",
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
-                "partition.assignment.strategy": "cooperative-sticky",
             }
         )
-        self._consumer.subscribe([self.reply_topic], on_assign=self._on_assign)
         self._thread = threading.Thread(target=self._poll_loop, name="tolk-client", daemon=True)
         self._thread.start()
         ready = await asyncio.to_thread(self._ready.wait, self.start_timeout)
