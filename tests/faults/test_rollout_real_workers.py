@@ -1,7 +1,9 @@
 """Issue #14, Done-when 1 for real: two `tolk worker` processes on the real engine, `tolk guard`
 in a process, a German-only slow canary rolled back while French promotes, on the real broker.
 
-What runs (the shared broker and redis; topics under a unique prefix, groups of their own):
+What runs (the shared broker and redis; topics under a unique prefix, groups of their own;
+the processes, the sender and the routing checks are `bench/rollout_drill.py`'s, which
+`bench/guard_drill.py` runs at a 5 % start with the sequential rule):
 
 * the control topic says `stable=100` for both languages (the state before any rollout);
 * two `python -m workers.cli worker` processes, `--arm stable` and `--arm v2`, the real engine
@@ -44,31 +46,34 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
-from replay.datasets import bcontrast
-from schemas.codec import decode_result, encode_request
-from tests.faults.harness import percentile
-from tests.faults.private_stack import REPO, last_lines
+from bench.rollout_drill import (
+    CANARY,
+    STABLE,
+    OpenLoopSender,
+    ReplyReader,
+    ToolProcess,
+    arm_of_replies,
+    balanced_conversations,
+    check_arm_changes,
+    check_routing,
+    latency_summary,
+)
+from tests.faults.private_stack import REPO
 from tests.kafka_fixtures import kafka_bootstrap, redis_url  # noqa: F401
-from tests.workers.fakes import TopicReader
 from tests.workers.polling import wait_for
 from topics.admin import ensure_topics
-from topics.catalog import REPLIES, arm_control_topic, catalog, request_topic, rollout_events_topic
-from workers.arms import choose_arm, split_arm
-from workers.guard.events import SHARE_LEAD_MS, read_events
+from topics.catalog import REPLIES, arm_control_topic, catalog, rollout_events_topic
+from workers.guard.events import read_events
 from workers.kafka.arm_control import publish_shares, read_share_table
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
@@ -85,218 +90,6 @@ DRILL = "de:1.0:15000"  # every German reply of the canary 15 s late
 POLICIES = "de:4:2:256:8,fr:3:10:256:8"
 LATENCY_SLACK_MS = 1000.0
 MAX_LATENCY_RATIO = 2.0
-
-
-class ToolProcess:
-    """`python -m workers.cli <args>` as a child process, its output in `log_path`."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", *args],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_line(self, pattern: str, timeout: float) -> None:
-        regex = re.compile(pattern)
-        end = time.monotonic() + timeout
-        while not regex.search(self.text()):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError(
-                    f"no /{pattern}/ in {self.log_path.name} (exit {self.proc.poll()}):\n"
-                    + last_lines(self.text())
-                )
-            time.sleep(0.5)
-
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
-
-
-def support_turns() -> list[str]:
-    """Short English customer-support turns (BConTrasT dev, the agent's side), no repeats."""
-    seen: dict[str, None] = {}
-    for u in bcontrast("dev"):
-        if u.speaker == "agent" and 15 <= len(u.source) <= 90:
-            seen.setdefault(u.source, None)
-    return list(seen)
-
-
-def balanced_conversations(run: str, lang: str, n: int, share: float) -> list[str]:
-    """`n` conversation ids of which half go to the canary at `share` percent (the workers'
-    own `choose_arm`), canary and stable alternating: every stretch of consecutive turns has
-    as many canary turns as it can, so no window falls short of `MIN_REQUESTS` by chance."""
-    shares = {"stable": 100.0 - share, "v2": share}
-    by_arm: dict[str, list[str]] = {"stable": [], "v2": []}
-    k = 0
-    while min(len(ids) for ids in by_arm.values()) < n // 2:
-        conv = f"{run}-{lang}-conv-{k}"
-        by_arm[str(choose_arm(shares, conv))].append(conv)
-        k += 1
-    return [c for pair in zip(by_arm["v2"], by_arm["stable"], strict=False) for c in pair][:n]
-
-
-class OpenLoopSender:
-    """Sends one German and one French turn every 1/rate s on a fixed schedule (a late send
-    does not push the next one back), each with a conversation id (round robin over
-    `balanced_conversations`); `sent` maps request id -> (lang, conversation, send time in
-    epoch seconds)."""
-
-    def __init__(self, bootstrap: str, prefix: str, run: str, rate: float) -> None:
-        self.prefix, self.run, self.rate = prefix, run, rate
-        self.turns = support_turns()
-        self.conversations = {
-            lang: balanced_conversations(run, lang, CONVERSATIONS, START_SHARE) for lang in LANGS
-        }
-        self.sent: dict[str, tuple[str, str, float]] = {}
-        self.producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        i = 0
-        while not self._stop.is_set():
-            wait = start + i / self.rate - time.monotonic()
-            if wait > 0:
-                self.producer.poll(min(wait, 0.05))
-                continue
-            for n, lang in enumerate(LANGS):
-                rid = f"{self.run}-{lang}-{i}"
-                conv = self.conversations[lang][i % CONVERSATIONS]
-                now = time.time()
-                request = {
-                    "request_id": rid, "conversation_id": conv, "source_lang": "en",
-                    "target_lang": lang,
-                    "text": self.turns[(2 * i + n) % len(self.turns)],
-                    "created_at": int(now * 1000), "deadline": None,
-                    "reply_topic": self.prefix + REPLIES, "metadata": {},
-                }  # fmt: skip
-                topic = self.prefix + request_topic(lang)
-                self.producer.produce(topic, encode_request(request), key=conv.encode())
-                self.sent[rid] = (lang, conv, now)
-            i += 1
-
-    def warm_up(self, arms: tuple[str, ...], per_arm: int) -> set[str]:
-        """`per_arm` turns per language addressed to each arm by name (`model_version`
-        "warmup@<arm>": only that arm answers), so both engines have run before the rollout's
-        first window; their request ids."""
-        rids = set()
-        for arm in arms:
-            for lang in LANGS:
-                for k in range(per_arm):
-                    rid = f"{self.run}-warm-{arm}-{lang}-{k}"
-                    request = {
-                        "request_id": rid, "conversation_id": None, "source_lang": "en",
-                        "target_lang": lang, "text": self.turns[-1 - k],
-                        "created_at": int(time.time() * 1000), "deadline": None,
-                        "reply_topic": self.prefix + REPLIES, "model_version": f"warmup@{arm}",
-                        "metadata": {},
-                    }  # fmt: skip
-                    topic = self.prefix + request_topic(lang)
-                    self.producer.produce(topic, encode_request(request), key=rid.encode())
-                    rids.add(rid)
-        self.producer.flush(30)
-        return rids
-
-    def stop(self) -> int:
-        """Stop sending; the number of requests not delivered to the broker."""
-        self._stop.set()
-        self._thread.join(10)
-        return int(self.producer.flush(30))
-
-
-def share_changes(events: list[dict[str, Any]], lang: str) -> list[tuple[float, dict[str, float]]]:
-    """(time the shares take effect, epoch s; the shares) of every share change of `lang`."""
-    out = []
-    for e in events:
-        if e["language"] == lang and e["share_after"] != e["share_before"]:
-            share = float(e["share_after"])
-            shares = {str(e["stable_arm"]): 100.0 - share, str(e["canary_arm"]): share}
-            out.append(((e["decided_at"] + SHARE_LEAD_MS) / 1000, shares))
-    return out
-
-
-def check_arm_changes(
-    sent: dict[str, tuple[str, str, float]],
-    arm_of: dict[str, str],
-    events: list[dict[str, Any]],
-) -> dict[str, int]:
-    """Every conversation's arm changes only across a share change of its language (the two
-    requests straddle the time the new shares took effect, within `slack_s`) and only to the
-    arm those shares choose for it; the number of changes per language."""
-    slack_s = 1.0  # record timestamps vs this process's clock; the change's produce time
-    by_conv: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
-    for rid, (lang, conv, at) in sent.items():
-        by_conv[(lang, conv)].append((at, arm_of[rid]))
-    changes = {lang: 0 for lang in LANGS}
-    for (lang, conv), turns in by_conv.items():
-        turns.sort()
-        for (t0, a0), (t1, a1) in zip(turns, turns[1:], strict=False):
-            if a0 == a1:
-                continue
-            changes[lang] += 1
-            across = [
-                shares for eff, shares in share_changes(events, lang)
-                if t0 - slack_s <= eff <= t1 + slack_s
-            ]  # fmt: skip
-            assert across, f"{conv} moved {a0} -> {a1} with no share change of {lang} between"
-            assert any(choose_arm(s, conv) == a1 for s in across), (conv, a0, a1, across)
-    return changes
-
-
-def check_routing(
-    sent: dict[str, tuple[str, str, float]],
-    arm_of: dict[str, str],
-    events: list[dict[str, Any]],
-) -> int:
-    """Every request was answered by the arm its language's shares in force at its send time
-    choose for its conversation (stable alone before the rollout); a request sent within
-    `slack_s` of a change may have either arm. The number of requests checked."""
-    slack_s = 1.0
-    checked = 0
-    for rid, (lang, conv, at) in sent.items():
-        changes = share_changes(events, lang)
-        if any(abs(at - eff) <= slack_s for eff, _ in changes):
-            continue
-        in_force = [shares for eff, shares in changes if eff <= at]
-        shares = in_force[-1] if in_force else {"stable": 100.0}
-        assert arm_of[rid] == choose_arm(shares, conv), (rid, conv, arm_of[rid], shares)
-        checked += 1
-    return checked
-
-
-def latency_summary(
-    sent: dict[str, tuple[str, str, float]], got: dict[str, list[dict[str, Any]]]
-) -> dict[str, dict[str, float]]:
-    """Per language and arm: replies, P50 and P95 of send -> reply completed, ms."""
-    by: dict[str, list[float]] = defaultdict(list)
-    for rid, (lang, _, at) in sent.items():
-        for reply in got.get(rid, [])[:1]:
-            arm = split_arm(reply["model_version"])[1]
-            by[f"{lang}/{arm}"].append(reply["completed_at"] - at * 1000)
-    return {
-        k: {"n": len(v), "p50_ms": round(percentile(v, 50)), "p95_ms": round(percentile(v, 95))}
-        for k, v in sorted(by.items())
-    }
 
 
 def test_real_workers_roll_german_back_while_french_promotes(
@@ -353,8 +146,12 @@ def test_real_workers_roll_german_back_while_french_promotes(
         env,
         tmp_path / "guard.log",
     )
-    reader = TopicReader(kafka_bootstrap, prefix + REPLIES)
-    sender = OpenLoopSender(kafka_bootstrap, prefix, run, RATE_PER_LANG)
+    reader = ReplyReader(kafka_bootstrap, prefix + REPLIES)
+    conversations = {
+        lang: balanced_conversations(run, lang, CONVERSATIONS, START_SHARE) for lang in LANGS
+    }
+    rates = dict.fromkeys(LANGS, RATE_PER_LANG)
+    sender = OpenLoopSender(kafka_bootstrap, prefix, run, rates, conversations)
 
     def events() -> list[dict[str, Any]]:
         return read_events(kafka, rollout_events_topic(prefix))
@@ -363,12 +160,7 @@ def test_real_workers_roll_german_back_while_french_promotes(
         done = {(e["language"], e["action"]) for e in events()}
         return {("de", "ROLLBACK"), ("fr", "COMPLETE")} <= done
 
-    def replies() -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for _, value in reader.snapshot():
-            reply = decode_result(value)
-            out[reply["request_id"]].append(reply)
-        return out
+    replies = reader.replies
 
     t0 = time.monotonic()
     try:
@@ -426,7 +218,7 @@ def test_real_workers_roll_german_back_while_french_promotes(
     # every request answered, once, by one arm; duplicates equal in text
     lost = set(sent) - set(got)
     duplicates = sum(len(rs) - 1 for rs in got.values())
-    arms_of = {rid: {str(split_arm(x["model_version"])[1]) for x in rs} for rid, rs in got.items()}
+    arms_of = arm_of_replies(got)
     two_arms = [rid for rid, answered_by in arms_of.items() if len(answered_by) > 1]
     unequal = [r for r, rs in got.items() if len({x["text"] for x in rs}) > 1]
     arm_of = {rid: min(arms_of[rid]) for rid in sent if rid in got}
@@ -438,7 +230,7 @@ def test_real_workers_roll_german_back_while_french_promotes(
         "limit_s": limit_s, "rollback_reasons": rollback["reasons"],
         "sent": len(sent), "answered": len(set(sent) & set(got)), "lost": len(lost),
         "duplicates": duplicates, "two_arms": len(two_arms),
-        "by_arm": {a: sum(1 for x in arm_of.values() if x == a) for a in ("stable", "v2")},
+        "by_arm": {a: sum(1 for x in arm_of.values() if x == a) for a in (STABLE, CANARY)},
         "latency": latency_summary(sent, got),
         "faithful": dict(Counter(
             str((rs[0].get("metadata") or {}).get("tolk.faithful", "clean")) for rs in got.values()
