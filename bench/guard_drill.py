@@ -143,7 +143,8 @@ def one_run(args: argparse.Namespace, k: int, logs: Path) -> dict[str, Any]:
             procs[arm].wait_for_line(r"\bassigned \[\(", timeout=300)
         procs["guard"].wait_for_line(r"Ready", timeout=120)
         warm = sender.warm_up((STABLE, CANARY), per_arm=3)
-        _wait(lambda: set(reader.replies()) >= warm, 180)
+        if not _wait(lambda: set(reader.replies()) >= warm, 180):
+            raise RuntimeError("the warm-up turns were not answered within 180 s")
         startup_s = time.monotonic() - t0
         start = subprocess.run(
             [sys.executable, "-m", "workers.cli", "rollout", "start", "--arm", CANARY,

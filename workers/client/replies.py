@@ -81,14 +81,18 @@ class ReplyListener:
         consumer.assign(pinned)
         self._assigned = set(partitions)
 
-    def _reply_partitions(self, consumer: Any, timeout_s: float) -> list[int]:
-        """The reply topic's partition ids, asked again while the topic is missing or has no
-        leader yet, until `timeout_s`; then the broker's answer as an error."""
+    def _reply_partitions(self, consumer: Any, timeout_s: float, ask_s: float = 5.0) -> list[int]:
+        """The reply topic's partition ids, asked again (each ask waits up to `ask_s`) while
+        the topic is missing, has no leader yet or the broker does not answer, until
+        `timeout_s`; then the broker's answer as an error."""
         end = time.monotonic() + timeout_s
         while True:
-            meta = consumer.list_topics(topic=self.reply_topic, timeout=5.0)
-            topic = meta.topics.get(self.reply_topic)
-            err = None if topic is None else topic.error
+            try:
+                meta = consumer.list_topics(topic=self.reply_topic, timeout=ask_s)
+                topic = meta.topics.get(self.reply_topic)
+                err = None if topic is None else topic.error
+            except KafkaException as exc:
+                topic, err = None, exc
             if topic is not None and err is None and topic.partitions:
                 return sorted(topic.partitions)
             if time.monotonic() >= end or self._closing.is_set():
@@ -99,7 +103,7 @@ class ReplyListener:
     def _take_new_partitions(self, consumer: Any) -> None:
         """Partitions added to the reply topic since the last look, taken from their start."""
         try:
-            partitions = self._reply_partitions(consumer, 0.0)
+            partitions = self._reply_partitions(consumer, 0.0, ask_s=1.0)  # polls wait
         except Exception as exc:  # a broker away for a moment: the next look
             log.debug("client: reply topic metadata: %s", exc)
             return
