@@ -259,6 +259,7 @@ def check_arm_changes(
         if rid in arm_of:
             by_conv[(lang, conv)].append((at, arm_of[rid]))
     changes = {lang: 0 for lang, _ in by_conv}
+    share_changes_of = {lang: share_changes(events, lang) for lang in changes}  # read once
     for (lang, conv), turns in by_conv.items():
         turns.sort()
         for (t0, a0), (t1, a1) in zip(turns, turns[1:], strict=False):
@@ -266,7 +267,7 @@ def check_arm_changes(
                 continue
             changes[lang] += 1
             across = [
-                shares for eff, shares in share_changes(events, lang)
+                shares for eff, shares in share_changes_of[lang]
                 if t0 - slack_s <= eff <= t1 + slack_s
             ]  # fmt: skip
             assert across, f"{conv} moved {a0} -> {a1} with no share change of {lang} between"
@@ -284,8 +285,10 @@ def check_routing(
     `slack_s` of a change may have either arm. The number of requests checked."""
     slack_s = 1.0
     checked = 0
+    langs = {lang for lang, _, _ in sent.values()}
+    share_changes_of = {lang: share_changes(events, lang) for lang in langs}  # read once
     for rid, (lang, conv, at) in sent.items():
-        changes = share_changes(events, lang)
+        changes = share_changes_of[lang]
         if rid not in arm_of or any(abs(at - eff) <= slack_s for eff, _ in changes):
             continue
         in_force = [shares for eff, shares in changes if eff <= at]
