@@ -52,7 +52,7 @@ def sha256_file(path: Path) -> str:
 
 def source_files() -> dict[str, Path]:
     """The presets' GGUF files as installed here (the loader's own resolution)."""
-    from workers.engine.loader import PRESETS
+    from workers.engine.presets import PRESETS
 
     return {name: resolve() for name, resolve in PRESETS.items()}
 

@@ -183,6 +183,18 @@ def gemma3_reference() -> Any:
     return _load_reference("gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def qwen05() -> Any:
+    """LoadedModel of Qwen2.5-Coder-0.5B-Instruct (Qwen 2, the `qwen` extra), float32 on CPU."""
+    return _load("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen05_reference() -> Any:
+    """(transformers model, tokenizer) on the same dequantized Qwen2.5-Coder-0.5B weights."""
+    return _load_reference("qwen2.5-coder-0.5b")
+
+
 def split_evenly(n: int, parts: int) -> list[int]:
     """End offsets of `parts` near-equal chunks of range(n)."""
     parts = max(1, min(parts, n))
@@ -263,10 +275,11 @@ def greedy() -> Any:
 
 
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
-    """Small transformers configs (Llama, Gemma 3 text) that still exercise every flag of the
-    model file (windows shorter than the text, soft-caps, linear RoPE scaling); `overrides`
-    replace any field (Gemma: give `layer_types` with `num_hidden_layers`)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
+    """Small transformers configs (Llama, Gemma 3 text, Qwen 2, Qwen 3) that still exercise every
+    flag of the model file (windows shorter than the text, soft-caps, linear RoPE scaling, q/k/v
+    biases, grouped-query attention); `overrides` replace any field (Gemma: give `layer_types`
+    with `num_hidden_layers`)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -278,6 +291,15 @@ def tiny_hf_config(arch: str, **overrides: Any) -> Any:
             rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False,
         )  # fmt: skip
         return LlamaConfig(**(common | llama | overrides))
+    if arch in ("qwen2", "qwen3"):  # GQA 4:1 like Qwen 2.5 (14 or 12 : 2), untied head
+        qwen = dict(
+            num_hidden_layers=2, num_key_value_heads=1, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        if arch == "qwen3":
+            qwen["head_dim"] = 32  # Qwen 3 sets head_dim apart from hidden_size / heads (16)
+        config_class = Qwen2Config if arch == "qwen2" else Qwen3Config
+        return config_class(**(common | qwen | overrides))
     layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     gemma = dict(
         num_hidden_layers=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
@@ -318,8 +340,7 @@ def tiny_random_models(hf_config: Any, device: str = "cpu") -> tuple[Any, Any]:
         p.data.normal_(0, 0.2)
     config = ModelConfig.from_hf(hf_config)
     ours = model_from_hf_state_dict(hf.state_dict(), config, torch.float32, device)
-    arch = "gemma3" if config.qk_norm else "llama"
-    loaded = LoadedModel(ours, config, IdsOnlyTokenizer(), arch, "random")
+    loaded = LoadedModel(ours, config, IdsOnlyTokenizer(), config.arch, "random")
     return hf.eval().to(device), loaded
 
 

@@ -29,7 +29,7 @@ SENTENCES = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_compiled_decode_matches_transformers(arch: str, tiny_config: Any, tiny_models: Any):
     hf, loaded = tiny_models(tiny_config(arch, vocab_size=512))
     attempts = torch._dynamo.utils.compilation_time_metrics
@@ -141,7 +141,7 @@ def _interleaved(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [h.result(timeout=0).token_ids for h in handles]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_prefill_and_mixed_steps_run_compiled_with_the_eager_tokens(
     arch: str, tiny_config: Any, tiny_models: Any
 ):

@@ -164,7 +164,7 @@ def test_the_options_change_nothing_on_a_cpu_engine(tiny_config: Any, tiny_model
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("triton_kernels", [False, True])
 def test_graph_engine_gives_the_eager_tokens_on_cuda(
     arch: str, triton_kernels: bool, tiny_config: Any, tiny_models: Any

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_engine_on_cuda_matches_transformers_float32(
     arch: str, tiny_config: Any, tiny_models: Any
 ) -> None:

@@ -280,7 +280,7 @@ def _interpreting() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_the_check_passes_kernels_and_graphs_on_cuda(arch: str, tiny_config, tiny_models):
     no_caps = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
     _, loaded = tiny_models(

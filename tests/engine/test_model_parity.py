@@ -20,7 +20,7 @@ from replay.datasets import data_file
 from workers.engine.config import ModelConfig
 from workers.engine.loader import model_from_hf_state_dict
 
-MODELS = ["smollm2", "gemma3"]
+MODELS = ["smollm2", "gemma3", "qwen05"]  # qwen05: the `qwen` extra (Qwen 2, biases, GQA 7:1)
 MAX_NEW_TOKENS = 32  # 48 until 2026-12-02: 32 still span two KV blocks of 16 or more
 # (file under the data dir, line, source language, target language)
 PROMPT_SOURCES = [
@@ -128,7 +128,7 @@ def test_batched_varlen_matches_single_sequences(name, request, data_dir, greedy
         torch.testing.assert_close(batched_logits[0][b], alone_logits[0][0], atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_tiny_random_model_matches_transformers(arch, tiny_config):
     """Teacher-forced logits of a random tiny model: our paged prefill (2 chunks) + decode steps
     against one full transformers forward. Sequences run past the sliding window."""

@@ -72,7 +72,7 @@ def _module_types(model: torch.nn.Module) -> list[tuple[str, type]]:
 
 
 @pytest.mark.parametrize("driver", [_interleaved, _on_threads], ids=["interleaved", "threads"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_two_engines_over_one_model_give_transformers_tokens(
     arch: str, driver: Any, tiny_config: Any, tiny_models: Any
 ) -> None:

@@ -110,14 +110,14 @@ def _tiny_model(hf_config: object) -> nn.Module:
     return model_from_hf_state_dict(hf.state_dict(), ModelConfig.from_hf(hf_config))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("swap", ["plain", "packed", "int8", "int4"])
 def test_fused_projections_are_bit_identical(
     arch: str, swap: str, greedy, tiny_config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import copy
 
-    layers = 2 if arch == "llama" else 4
+    layers = 4 if arch == "gemma3" else 2
     model = _tiny_model(tiny_config(arch, vocab_size=256))
     fused = copy.deepcopy(model)
     assert fuse_qkv(fused) == layers and fuse_qkv(fused) == 0  # once per layer, idempotent

@@ -66,7 +66,7 @@ def step(model: Transformer, steps: list[tuple[list[int], int, list[int]]]) -> t
         return model(torch.tensor(ids), torch.tensor(positions), meta)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_swapped_model_computes_the_reference_function(request, arch):
     if checked_in_child(request):
         return

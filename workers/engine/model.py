@@ -1,16 +1,20 @@
-"""The decoder: one plain model file for Llama and Gemma 3 text models.
+"""The decoder: one plain model file for Llama, Gemma 3, Qwen 2 / 2.5 and Qwen 3 text models.
 
 Every architectural difference is a `ModelConfig` flag, not a subclass:
 
-| | Llama | Gemma 3 |
-|---|---|---|
-| embedding | plain | times sqrt(D), the scale cast to the model dtype first |
-| RMSNorm | `w * x_hat.to(dtype)` | `(x_hat * (1 + w)).to(dtype)`, all in float32 |
-| norms per layer | attn_norm, ffn_norm | + post_attn_norm, post_ffn_norm (sandwich) |
-| q/k | - | per-head RMSNorm before RoPE |
-| attention scale | head_dim ** -0.5 | query_pre_attn_scalar ** -0.5 |
-| layers | all full | 5 sliding-window : 1 full, local layers use their own RoPE base |
-| MLP | SwiGLU (silu) | GeGLU (gelu tanh) |
+| | Llama | Gemma 3 | Qwen 2 / 2.5 | Qwen 3 |
+|---|---|---|---|---|
+| embedding | plain | times sqrt(D), cast to the model dtype first | plain | plain |
+| RMSNorm | `w * x_hat.to(dtype)` | `(x_hat * (1 + w)).to(dtype)`, in float32 | Llama's | Llama's |
+| norms per layer | attn_norm, ffn_norm | + post_attn_norm, post_ffn_norm | Llama's | Llama's |
+| q/k/v | - | per-head RMSNorm of q, k before RoPE | + biases | per-head RMSNorm |
+| attention scale | head_dim ** -0.5 | query_pre_attn_scalar ** -0.5 | Llama's | Llama's |
+| layers | all full | 5 sliding : 1 full, own RoPE base | all full | all full |
+| MLP | SwiGLU (silu) | GeGLU (gelu tanh) | SwiGLU | SwiGLU |
+
+Qwen's q/k/v biases live on the attention module as one vector (`qkv_bias`, [(H + 2 KVH) * D]),
+not on the projections: every projection stays a bias-free `nn.Linear`, so the swaps that fuse,
+quantize or pack projections (`workers/engine/swaps.py`) apply to Qwen unchanged.
 
 Numerics follow transformers 4.57 op by op (float32 RoPE tables cast to the model dtype, float32
 RMSNorm, float32 softmax) so greedy decoding yields the same tokens as `generate()`.
@@ -129,27 +133,44 @@ class Attention(nn.Module):
         eps, one_plus = config.rms_norm_eps, config.norm_one_plus
         self.q_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None  # per head
         self.k_norm = RMSNorm(hd, eps, one_plus) if config.qk_norm else None
+        # Qwen 2: q, k and v biases back to back, [(H + 2 KVH) * D], added after the projection
+        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * hd
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_width)) if config.qkv_bias else None
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+
+    def fused_qkv(self, x: Tensor) -> Tensor:
+        """x [T, d] -> q, k, v side by side [T, (H + 2 KVH) * D] through the fused projection
+        (`swaps.fuse_qkv`), biases added (Qwen 2)."""
+        assert self.qkv_proj is not None, "swaps.fuse_qkv() first"
+        qkv = self.qkv_proj(x)
+        return qkv if self.qkv_bias is None else qkv + self.qkv_bias
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, d] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D], before QK-norm and RoPE."""
+        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:  # fused: strided views of one output, no copy
+            qkv = self.fused_qkv(x)  # [T, (H + 2 KVH) * D]
+            q = qkv[:, : h * hd].view(t, h, hd)
+            k = qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd)
+            v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
+            return q, k, v
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H * D], [T, KVH * D] x 2
+        if self.qkv_bias is not None:
+            bq, bk, bv = self.qkv_bias.split([h * hd, kvh * hd, kvh * hd])
+            q, k, v = q + bq, k + bk, v + bv
+        return q.view(t, h, hd), k.view(t, kvh, hd), v.view(t, kvh, hd)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttnMeta) -> Tensor:
         t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None and self.q_norm is None:
-            # fused, no QK-norm (Llama): RoPE on q and k heads together
-            qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+            # fused, no QK-norm (Llama, Qwen 2): RoPE on q and k heads together
+            qkv = self.fused_qkv(x)  # [T, (H + 2 KVH) * D]
             qk = apply_rope(qkv[:, : (h + kvh) * hd].view(t, h + kvh, hd), cos, sin)
             q, k = qk[:, :h], qk[:, h:]  # [T, H, D], [T, KVH, D]
             v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)  # [T, KVH, D]
         else:
-            if self.qkv_proj is not None:  # fused, with QK-norm (Gemma 3)
-                qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
-                q = qkv[:, : h * hd].view(t, h, hd)  # [T, H, D]
-                k = qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd)  # [T, KVH, D]
-                v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)  # [T, KVH, D]
-            else:
-                q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
-                k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
-                v = self.v_proj(x).view(t, kvh, hd)  # [T, KVH, D]
+            q, k, v = self.project_qkv(x)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -1,7 +1,9 @@
 """Translation prompts: `(text, source_lang, target_lang) -> token ids`, cut into prefix + query.
 
 Templates live in `prompts.json` beside this file (data, not code): a few-shot template for base
-models (Gemma 3 270M) and a ChatML template for instruct models (SmolLM2-Instruct). The prefix,
+models (Gemma 3 270M) and a ChatML template for instruct models (SmolLM2-Instruct, Qwen 2.5 and
+Qwen 3 Instruct: their own default form asks, in the system turn, for the translation only with
+names, numbers, codes and placeholders kept as written). The prefix,
 i.e. instructions plus few-shot examples, depends only on the *target* language, so each
 per-language topic has one prompt prefix whose KV blocks the prefix cache shares across all of
 its requests (and the engine warms at start-up).
@@ -14,7 +16,8 @@ also name a `layout` (where the source sits in a turn: the template's `example_<
 `query_<layout>`, e.g. SmolLM2's `instructed` turns that repeat "Translate this German text
 into English:" before every source) and `examples_by_target` (another example set for one
 target language, leaving every other language's prompt as it was). Each
-template has a default form and a retry form (`default_form`, `retry_form`): the faithfulness
+template has a default form and a retry form (`default_form`, `retry_form`; an architecture may
+override both, `default_form_by_arch`, `retry_form_by_arch`): the faithfulness
 wrapper (`workers/stages/faithful/stage.py`) retries a suspect translation once with the retry form.
 `build(..., form=)` takes any form; each (form, target language) prefix is cached apart.
 docs/PROMPTS.md has the measured comparison that chose the defaults.
@@ -104,8 +107,12 @@ class PromptBuilder:
         self._forms: dict[str, dict[str, Any]] = data["forms"]
         self._example_sets: dict[str, list[dict[str, str]]] = data["example_sets"]
         self._example_sources: dict[str, list[str]] = data["example_sources"]
-        self.default_form = form or data["default_form"][name]
-        self.retry_form = data["retry_form"][name]
+        # an architecture's own forms (Qwen: the "keep" instruction) where it got its template
+        own = arch if data["models"].get(arch) == name else ""
+        self.default_form = form or data["default_form_by_arch"].get(
+            own, data["default_form"][name]
+        )
+        self.retry_form = data["retry_form_by_arch"].get(own, data["retry_form"][name])
         for f in (self.default_form, self.retry_form):
             self._form(f)  # an unknown form fails here, not at the first request
         self.tokenizer = tokenizer

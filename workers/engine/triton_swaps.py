@@ -44,17 +44,9 @@ class TritonAttention(Attention):
         batch = cast(object, meta)
         if not isinstance(batch, AttentionMetadata | PagedDecodeBatch):
             return super().forward(x, cos, sin, meta)  # a compiled step's DecodeBatch
-        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:  # fused projection: strided views, no copy
-            qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
-            q = qkv[:, : h * hd].view(t, h, hd)
-            k = qkv[:, h * hd : (h + kvh) * hd].view(t, kvh, hd)
-            v = qkv[:, (h + kvh) * hd :].view(t, kvh, hd)
-        else:
-            q = self.q_proj(x).view(t, h, hd)  # [T, H, D]
-            k = self.k_proj(x).view(t, kvh, hd)  # [T, KVH, D]
-            v = self.v_proj(x).view(t, kvh, hd)
-        if self.q_norm is not None and self.k_norm is not None:  # Gemma 3's QK-norm
+        t, h, hd = x.shape[0], self.num_heads, self.head_dim
+        q, k, v = self.project_qkv(x)  # [T, H, D], [T, KVH, D] x 2 (Qwen 2: biases added)
+        if self.q_norm is not None and self.k_norm is not None:  # Gemma 3's, Qwen 3's QK-norm
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = self.k_cache, self.v_cache
         assert k_cache is not None and v_cache is not None, "allocate_kv_cache() first"
