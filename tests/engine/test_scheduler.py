@@ -28,7 +28,7 @@ def never_stop(seq: SequenceState, token: int):
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {c.seq.request_id: token for c in out.chunks if c.samples}
+    sampled = {c.seq.request_id: [token] for c in out.chunks if c.samples}
     return out, s.update_from_output(out, sampled, never_stop)
 
 

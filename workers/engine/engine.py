@@ -63,6 +63,7 @@ from workers.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from workers.engine.speculative import make_drafter
 from workers.engine.step_results import StepResults, step_kind, step_record
 from workers.engine.threads import release_openmp_pool, use_threads
 from workers.engine.types import (
@@ -134,6 +135,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
                 self.model, bs, self.config.max_model_len,
                 max_batch=self.config.max_num_seqs, use_triton=self.config.triton_kernels,
             )  # fmt: skip
+        self.drafter = make_drafter(self.config.draft, self.config.draft_max)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_seqs,
@@ -373,7 +375,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         started = time.perf_counter()
         self._drain_inbox()
         out = self.scheduler.schedule()
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         if out.chunks:
             t0 = time.perf_counter()
             sampled = self._run_model(out)
@@ -385,12 +387,14 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             stats.seconds_by_kind[kind] = stats.seconds_by_kind.get(kind, 0.0) + seconds
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
+        if self.drafter is not None:  # the next step's drafts, from the tokens known now
+            self.drafter.propose(self.scheduler.running, self.config.max_model_len)
         results = [self._finish(seq) for seq in finished]
         if self.step_trace is not None and out.chunks:
             self.step_trace.append(step_record(out, time.perf_counter() - started))
         return results
 
-    def _run_model(self, out: SchedulerOutput) -> dict[str, int]:
+    def _run_model(self, out: SchedulerOutput) -> dict[str, list[int]]:
         # this engine's KV pools in the model; engines sharing the model take turns per step
         with self.prepared.bound(self.kv_pools):
             return self._forward_and_pick(out)

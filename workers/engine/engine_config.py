@@ -48,6 +48,11 @@ class EngineConfig:
     screen_lm_head: bool = True
     # q/k/v as one projection and gate/up as one, bit-identical (workers/engine/swaps.py)
     fuse_projections: bool = True
+    # speculative decoding of greedy requests (workers/engine/speculative.py): "ngram" drafts
+    # from the prompt and the output so far (prompt lookup), at most draft_max tokens a step;
+    # None: one token a step. Greedy output is the same either way
+    draft: str | None = None
+    draft_max: int = 8
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int = 16384  # KV pool size per group, in tokens
     max_num_seqs: int = 32  # running batch cap (`tolk worker`: from its probe, batch_cap.py)
@@ -89,6 +94,9 @@ class EngineStats:
     compiled_rows_steps: int = 0  # prefill / mixed steps run by it (compile_max_rows)
     graph_steps: int = 0  # decode steps replayed as a CUDA graph (cuda_graphs)
     screened_steps: int = 0  # steps whose greedy tokens came from the screened LM head
+    draft_steps: int = 0  # steps that checked draft tokens (speculative decoding)
+    draft_tokens: int = 0  # draft tokens checked
+    accepted_draft_tokens: int = 0  # of those, the ones the target agreed with
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
     # model steps and their seconds by kind ("decode", "mixed", "prefill": step_results.py's
     # `step_kind`): where a request's time goes under load (a decode-only step runs compiled,

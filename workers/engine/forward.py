@@ -17,8 +17,11 @@ scheduler pick the chunks, applies the stop rules and turns finished sequences i
   row of each sampling chunk through the sampler (the screened int8 LM head when every
   sequence is greedy: workers/engine/sampling.py).
 
-Each returns request id -> sampled token. The attributes it reads are the engine's (declared
-below for the type checker); nothing here owns state.
+Each returns request id -> the tokens sampled after the chunk's sampled rows: one token, or
+with draft tokens to check (speculative decoding, workers/engine/speculative.py) the target's
+greedy token after its last known token and after each draft, all from one forward (the
+scheduler keeps the agreeing prefix). The attributes it reads are the engine's (declared below
+for the type checker); nothing here owns state.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from workers.engine.engine_config import EngineStats
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.model import Transformer
 from workers.engine.sampling import TokenSampler
-from workers.engine.scheduler import SchedulerOutput, SequenceState
+from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ModelStep"]
 
@@ -49,7 +52,7 @@ class ModelStep:
     compiled: CompiledDecode | None
     graphs: CudaGraphDecode | None
 
-    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, int]:
+    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """The step's forward over the flattened batch and its sampled tokens (pools bound)."""
         if out.block_copies:  # partial prefix hits: their matched slots, before any write
             self.model.copy_kv_blocks(
@@ -72,7 +75,7 @@ class ModelStep:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         for c in out.chunks:
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            ids.extend(c.input_ids())
             positions.extend(range(c.start, c.start + c.num_tokens))
             query_lens.append(c.num_tokens)
             seq_lens.append(c.start + c.num_tokens)
@@ -89,22 +92,49 @@ class ModelStep:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids, pos, metadata)  # [T, D]
-        sampling = [i for i, c in enumerate(out.chunks) if c.samples]
+        sampling = [c for c in out.chunks if c.samples]
         if not sampling:
             return {}
-        ends = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in sampling], device=self.device)
-        rows = hidden.index_select(0, ends)  # [N, D]
-        return self._pick([out.chunks[i].seq for i in sampling], rows)
+        ends: list[int] = []
+        end = 0
+        for c in out.chunks:
+            end += c.num_tokens
+            ends.extend(range(end - c.num_rows_sampled, end))  # the last row, then drafts'
+        rows = hidden.index_select(0, torch.tensor(ends, device=self.device))  # [R, D]
+        return self._pick(sampling, rows)
 
-    def _pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
-        """The sampled tokens of a step's sampling rows `rows` [N, D], eager or compiled."""
+    def _pick(self, chunks: list[ScheduledChunk], rows: torch.Tensor) -> dict[str, list[int]]:
+        """The sampled tokens of the sampling chunks' rows `rows` [R, D] (each chunk's
+        `num_rows_sampled` rows in turn), eager or compiled."""
+        seqs = [c.seq for c in chunks]
         if self.sampler.screens(seqs):
             self.stats.screened_steps += 1  # greedy only: no logits needed
-        return self.sampler.pick(seqs, rows)
+        if len(chunks) == rows.shape[0]:  # no drafts: one row per sequence
+            return {rid: [tok] for rid, tok in self.sampler.pick(seqs, rows).items()}
+        # drafts (greedy sequences only) are checked by the argmax; a sampling sequence beside
+        # them draws its token as ever
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + c.num_rows_sampled)
+        greedy = [i for i, c in enumerate(chunks) if c.seq.request.params.temperature <= 0]
+        picked: dict[str, list[int]] = {}
+        if greedy:
+            rows_of = [r for i in greedy for r in range(starts[i], starts[i + 1])]
+            tokens = self.sampler.argmax(rows[rows_of] if len(rows_of) < len(rows) else rows)
+            flat = tokens.tolist()
+            for i in greedy:
+                picked[chunks[i].seq.request_id] = flat[: chunks[i].num_rows_sampled]
+                del flat[: chunks[i].num_rows_sampled]
+        drawn = sorted(set(range(len(chunks))) - set(greedy))
+        if drawn:
+            one_row = rows[[starts[i] for i in drawn]]  # no drafts: one row each
+            sampled = self.sampler.pick([seqs[i] for i in drawn], one_row)
+            picked.update((rid, [tok]) for rid, tok in sampled.items())
+        return picked
 
     def _run_compiled(
         self, compiled: CompiledDecode, out: SchedulerOutput, decode_only: bool
-    ) -> dict[str, int]:
+    ) -> dict[str, list[int]]:
         """A step through the compiled graph, every token a row of its own: a decode step's
         rows are its sequences; a prefill chunk's rows share its block table. The graph gives
         the hidden rows of the sequences that sample (each sampling chunk's last), picked from
@@ -113,16 +143,16 @@ class ModelStep:
         positions: list[int] = []
         tables: dict[str, list[list[int]]] = {g.name: [] for g in self.kv.groups}
         sample_rows: list[int] = []
-        seqs: list[SequenceState] = []
+        sampling: list[ScheduledChunk] = []
         for c in out.chunks:
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            ids.extend(c.input_ids())
             positions.extend(range(c.start, c.start + c.num_tokens))
             for g in self.kv.groups:  # each row of the chunk reads the chunk's table
                 table = self.kv.block_table(c.seq.request_id, g.name)
                 tables[g.name].extend([table] * c.num_tokens)
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
-                seqs.append(c.seq)
+            if c.samples:  # the last row, then the drafts' rows
+                sample_rows.extend(range(len(ids) - c.num_rows_sampled, len(ids)))
+                sampling.append(c)
         if decode_only:
             self.stats.compiled_steps += 1
         else:
@@ -130,9 +160,11 @@ class ModelStep:
         # a step that samples nothing (a prompt's middle chunk) still gathers one row: the
         # graph has no zero-row variant
         rows = compiled(ids, positions, tables, sample_rows or [len(ids) - 1])  # [S, D]
-        return self._pick(seqs, rows) if seqs else {}
+        return self._pick(sampling, rows) if sampling else {}
 
-    def _run_graph(self, graphs: CudaGraphDecode, out: SchedulerOutput) -> dict[str, int] | None:
+    def _run_graph(
+        self, graphs: CudaGraphDecode, out: SchedulerOutput
+    ) -> dict[str, list[int]] | None:
         """A decode-only step replayed as a CUDA graph; None if it fits no captured bucket
         (then it runs eagerly)."""
         seqs = [c.seq for c in out.chunks]
@@ -147,4 +179,5 @@ class ModelStep:
         if got is None:
             return None
         self.stats.graph_steps += 1
-        return self.sampler.sample(seqs, *got)  # the argmax's .tolist(): the step's one sync
+        sampled = self.sampler.sample(seqs, *got)  # the argmax's .tolist(): the step's one sync
+        return {rid: [tok] for rid, tok in sampled.items()}

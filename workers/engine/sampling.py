@@ -55,6 +55,12 @@ class TokenSampler:
         head = cast(WeightOnlyInt8Linear, self.model.lm_head)  # an int8 head
         return screened_int8_argmax(rows, head.weight, head.scales, screen, cap)
 
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens [N] of `rows` [N, D]: through the head's screen where one applies,
+        else the full logits' argmax (draft checks, workers/engine/forward.py)."""
+        tokens = self.greedy(rows)
+        return tokens if tokens is not None else self.model.compute_logits(rows).argmax(dim=-1)
+
     def pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
         """Each sequence's next token from its last hidden row, `rows` [N, D]."""
         tokens = self.greedy(rows) if self.screens(seqs) else None

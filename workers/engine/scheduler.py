@@ -19,6 +19,15 @@ rest of its `token_ids` computed. Each step:
 
 So decode of running requests is never stalled by a long newcomer: the newcomer's prefill is
 cut into chunks that fit what the budget leaves over.
+
+Speculative decoding (greedy): a decoding sequence may carry draft tokens (`draft_ids`, set by
+the engine's proposer after each step, workers/engine/speculative.py). Its chunk then computes
+its last token and the drafts in one step (`num_draft` extra rows); the step returns the
+target's greedy token after each of those rows, and `update_from_output` keeps the drafts the
+target agrees with plus the target's own next token (vLLM v1's shape: the scheduler owns
+`num_computed`, so rejecting a draft is only not counting its KV: its slots are overwritten by
+the next step, and prefix-cache blocks are published only over verified tokens). Greedy output
+is the same token for token as without drafts.
 """
 
 from __future__ import annotations
@@ -66,6 +75,10 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     error: str = ""
     num_preemptions: int = 0
+    draft_ids: list[int] = field(default_factory=list)  # proposed next tokens, not yet checked
+    draft_len: int = 0  # drafts to ask for next (speculative.py adapts it; 0: not started)
+    num_drafted: int = 0  # draft tokens checked by the target, in total
+    num_accepted: int = 0  # of those, the ones the target agreed with
 
     @property
     def request_id(self) -> str:
@@ -80,11 +93,27 @@ class SequenceState:
 class ScheduledChunk:
     seq: SequenceState
     start: int  # first position computed in this step
-    num_tokens: int  # positions [start, start + num_tokens)
+    num_tokens: int  # positions [start, start + num_tokens), drafts included
     samples: bool = False  # reaches the end of the known tokens, so a token is sampled after it
+    draft: tuple[int, ...] = ()  # the last len(draft) positions are draft tokens to check
+    num_accepted: int = 0  # drafts the target agreed with (set by update_from_output)
 
     def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
+        self.samples = self.start + self.num_tokens - len(self.draft) == len(self.seq.token_ids)
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft)
+
+    @property
+    def num_rows_sampled(self) -> int:
+        """Rows whose next token the step returns: the last, and one per draft (0 if none)."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def input_ids(self) -> list[int]:
+        """The token ids this chunk computes, drafts last."""
+        known = self.seq.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
+        return [*known, *self.draft]
 
 
 @dataclass(slots=True)
@@ -150,6 +179,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_remaining, budget)
+            draft: tuple[int, ...] = ()
+            if seq.draft_ids and seq.num_remaining == 1:  # decoding, with drafts to check
+                room = min(budget, self.config.max_model_len - len(seq.token_ids)) - 1
+                draft = tuple(seq.draft_ids[: max(0, room)])
+                n += len(draft)
             while not self.kv.allocate_slots(seq.request_id, seq.token_ids, seq.num_computed, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -157,7 +191,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+                chunks.append(ScheduledChunk(seq, seq.num_computed, n, draft=draft))
                 budget -= n
                 i += 1
                 continue
@@ -194,27 +228,44 @@ class Scheduler:
         return SchedulerOutput(chunks, num_tokens, finished, preempted, copies)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int], stop_check: StopCheck
+        self, output: SchedulerOutput, sampled: dict[str, list[int]], stop_check: StopCheck
     ) -> list[SequenceState]:
-        """Advance sequences by what the step computed; return those that finished."""
+        """Advance sequences by what the step computed; return those that finished.
+
+        `sampled[request id]`: the tokens sampled after each of a sampling chunk's last
+        `num_rows_sampled` rows (one token without drafts). Without drafts that token is the
+        next one; with drafts, token i follows draft i - 1 and counts only while every draft
+        before it matched the token sampled in its place (greedy verification)."""
         now = self.clock()
         finished: list[SequenceState] = list(output.finished)
         for chunk in output.chunks:
             seq = chunk.seq
-            seq.num_computed = chunk.start + chunk.num_tokens
-            self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
-            if not chunk.samples:
-                continue  # a prefill chunk that is not the last: nothing sampled yet
-            token = sampled[seq.request_id]
+            if not chunk.samples:  # a prefill chunk that is not the last: nothing sampled yet
+                seq.num_computed = chunk.start + chunk.num_tokens
+                self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
+                continue
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            reason, keep = stop_check(seq, token)
-            if reason is None or keep:
-                seq.output_ids.append(token)
-                seq.token_ids.append(token)
-                self.queue.charge(seq.request, 0, 1)
-            if reason is None and len(seq.token_ids) >= self.config.max_model_len:
-                reason = FinishReason.LENGTH
+            last_known = chunk.start + chunk.num_tokens - chunk.num_draft  # rows up to it: real
+            reason: FinishReason | None = None
+            verified = 0  # rows whose input is a known token (the last one, matched drafts)
+            for i, token in enumerate(sampled[seq.request_id]):
+                verified = i + 1
+                reason, keep = stop_check(seq, token)
+                if reason is None or keep:
+                    seq.output_ids.append(token)
+                    seq.token_ids.append(token)
+                    self.queue.charge(seq.request, 0, 1)
+                if reason is None and len(seq.token_ids) >= self.config.max_model_len:
+                    reason = FinishReason.LENGTH
+                if reason is not None or i >= chunk.num_draft or token != chunk.draft[i]:
+                    break  # finished, or the draft is wrong from here on
+            chunk.num_accepted = verified - 1
+            seq.num_drafted += chunk.num_draft
+            seq.num_accepted += chunk.num_accepted
+            seq.draft_ids = []  # checked: the proposer drafts again from the new tokens
+            seq.num_computed = last_known - 1 + verified
+            self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
             if reason is not None:
                 seq.finish_reason = reason
                 finished.append(seq)
@@ -281,6 +332,7 @@ class Scheduler:
     def _preempt(self, seq: SequenceState) -> None:
         self.kv.free(seq.request_id, seq.token_ids)
         seq.num_computed = 0
+        seq.draft_ids = []
         seq.num_preemptions += 1
         self.preempted.appendleft(seq)
 

@@ -67,12 +67,17 @@ class StepResults:
                 return FinishReason.STOP, True
         return None, True
 
-    def _account(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def _account(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         s = self.stats
         s.preemptions += len(out.preempted)
-        decode = sum(1 for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
+        decode = sum(c.num_tokens for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
         s.prefill_tokens += out.num_batched_tokens - decode
-        s.decode_tokens += len(sampled)
+        s.decode_tokens += sum(1 + c.num_accepted for c in out.chunks if c.samples)
+        drafted = sum(c.num_draft for c in out.chunks)
+        if drafted:
+            s.draft_steps += 1
+            s.draft_tokens += drafted
+            s.accepted_draft_tokens += sum(c.num_accepted for c in out.chunks)
         s.last_batch_size = len(out.chunks)
         s.batch_sizes.append(len(out.chunks))
         if len(s.batch_sizes) > 1024:
@@ -131,9 +136,9 @@ class StepResults:
 
 
 def step_kind(out: SchedulerOutput) -> str:
-    """ "decode" (every scheduled sequence samples its next token), "prefill" (none decodes)
-    or "mixed"."""
-    decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1)
+    """ "decode" (every scheduled sequence samples its next token, checking drafts or not),
+    "prefill" (none decodes) or "mixed"."""
+    decoding = sum(1 for c in out.chunks if c.samples and c.num_tokens == 1 + c.num_draft)
     return "decode" if decoding == len(out.chunks) else "prefill" if decoding == 0 else "mixed"
 
 

@@ -168,8 +168,8 @@ def _stop_at_length(seq: SequenceState, token: int) -> tuple[FinishReason | None
     return None, True
 
 
-def _sampled(out: SchedulerOutput) -> dict[str, int]:
-    return {c.seq.request_id: _OUTPUT_TOKEN_ID for c in out.chunks if c.samples}
+def _sampled(out: SchedulerOutput) -> dict[str, list[int]]:
+    return {c.seq.request_id: [_OUTPUT_TOKEN_ID] for c in out.chunks if c.samples}
 
 
 def _warm(scheduler: Scheduler, prefixes: dict[str, list[int]]) -> None:
