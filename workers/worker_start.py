@@ -60,6 +60,7 @@ class WorkerPlan:
     context: bool
     drill_latency: tuple[str, ...] = ()
     drill_errors: tuple[str, ...] = ()
+    draft: str | None = None  # speculative decoding's proposer ("ngram"); None: none
 
 
 def run_worker(settings: Any, plan: WorkerPlan) -> int:
@@ -69,9 +70,14 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     from workers.engine.batch_cap import choose_batch_cap
     from workers.engine.disk_cache import cache_root, configure_compile_caches
     from workers.engine.engine import EngineConfig
+    from workers.engine.speculative import DRAFTERS
     from workers.serving.fair_engine import build_fair_engine
     from workers.serving.pipeline import ServingOptions, build_served_engine
 
+    if plan.draft is not None and plan.draft not in DRAFTERS:
+        raise StartRefused(
+            f"unknown draft method {plan.draft!r} (known: {', '.join(DRAFTERS)})", option="--draft"
+        )
     retriever = _open_retriever(plan) if plan.tm_examples > 0 else None  # before the model
     root = cache_root(settings.cache_dir)
     configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
@@ -83,6 +89,12 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     except ValueError as exc:
         raise StartRefused(str(exc), option="--quantize") from None
     chosen = choice.candidate
+    if plan.draft is not None and not chosen.compile_decode:
+        log.warning(
+            "--draft %s without compiled decode: draft checks run eagerly, where float rounding "
+            "may flip a near-tie (workers/engine/speculative.py); --compile-decode keeps the "
+            "output the model's own, token for token", plan.draft,
+        )  # fmt: skip
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
     max_new_tokens = max((p.max_new_tokens for p in policies.values()), default=256)
     # the running batch's cap from the probe's speeds and the tightest SLO (batch_cap.py)
@@ -103,6 +115,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         warm_languages=tuple(settings.languages),  # each language's prefix cached up front
         max_new_tokens=max_new_tokens,
         max_num_seqs=cap.max_num_seqs,
+        draft=plan.draft,
     )
     try:
         selection, loaded = device_select.select_engine_config(

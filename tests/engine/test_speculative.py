@@ -247,3 +247,45 @@ def test_drafts_through_the_compiled_rows_and_beside_a_sampled_request(
     assert run(engine) == plain
     assert engine.stats.accepted_draft_tokens > 0
     assert engine.stats.compiled_rows_steps > 0  # the draft checks went through the graph
+
+
+def test_the_drafter_keeps_the_step_within_the_compiled_rows() -> None:
+    s = _scheduler()
+    for rid in ("a", "b", "c"):
+        s.add_request(GenerationRequest(rid, [1, 2, 3, 1, 2], SamplingParams(20)))
+    out = s.schedule()
+    s.update_from_output(out, {r: [3] for r in ("a", "b", "c")}, _stop_at(-1))
+    seqs = s.running  # each: 1 2 3 1 2 3 -> "2 3" recurs, then 1 2 3
+    drafter = Drafter(NgramProposer(), DraftLength(initial=4, max_draft=4))
+    assert drafter.propose(seqs, max_model_len=64, max_rows=7) == 4  # 3 rows + 4 drafts
+    assert [len(q.draft_ids) for q in seqs] == [3, 1, 0]
+
+
+@pytest.mark.slow
+def test_ngram_speculation_keeps_qwen_output_token_for_token(qwen05: Any, data_dir: Any) -> None:
+    """Real weights (Qwen2.5-Coder-0.5B, int8, compiled decode as the worker runs it): chat
+    turns and FLORES sentences with names and numbers, alone and batched, the same tokens with
+    and without n-gram drafts, and drafts accepted."""
+    from replay.datasets import bcontrast, flores
+
+    turns = [
+        (u.source, u.source_lang, u.target_lang)
+        for u, _ in zip(bcontrast("dev"), range(4), strict=False)
+    ]
+    texts = turns + [(t, "en", "de") for t in flores("en")[:3]]
+    config = EngineConfig(
+        model="qwen2.5-coder-0.5b", quantize="int8", compile_decode=True, kv_cache_tokens=4096
+    )
+    plain = Engine(qwen05, config)
+    spec = Engine(qwen05, config)
+    spec.drafter = make_drafter("ngram", 8)
+
+    def run(engine: Engine, batch: list[tuple[str, str, str]]) -> list[list[int]]:
+        reqs = [engine.translation_request(t, s, g, max_new_tokens=64) for t, s, g in batch]
+        return [r.token_ids for r in engine.generate(reqs)]
+
+    alone = [run(plain, [t])[0] for t in texts]
+    assert [run(spec, [t])[0] for t in texts] == alone
+    assert run(spec, texts) == run(plain, texts)
+    assert spec.stats.accepted_draft_tokens > 0
+    assert spec.stats.decode_tokens == plain.stats.decode_tokens

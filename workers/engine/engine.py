@@ -388,7 +388,8 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
         if self.drafter is not None:  # the next step's drafts, from the tokens known now
-            self.drafter.propose(self.scheduler.running, self.config.max_model_len)
+            rows = self.config.compile_max_rows if self.compiled is not None else None
+            self.drafter.propose(self.scheduler.running, self.config.max_model_len, rows)
         results = [self._finish(seq) for seq in finished]
         if self.step_trace is not None and out.chunks:
             self.step_trace.append(step_record(out, time.perf_counter() - started))

@@ -14,6 +14,15 @@ drafts plus the target's own next token are kept. So greedy output is the target
 for token; the drafts only decide how many tokens one forward yields. Sampled requests
 (temperature > 0) get no drafts.
 
+Exactly the target's own where each checked row is computed as a decode row is: through the
+compiled graph (`compile_decode`, the worker's usual configuration), every row runs the
+per-row decode attention op and the row-invariant int8 / int4 projections, so a draft check
+and a decode step give the same bits (bench/speculative.py: no token changed). The drafter
+therefore keeps a step's rows within the graph's `compile_max_rows`. An eager check runs the
+prefill attention, whose float rounding differs: a near-tie may then flip (2 of 52 requests on
+Qwen2.5-Coder-0.5B, docs/BENCHMARKS.md), as the plain engine's own tokens already move with its
+batch's composition under load (cascade attention, mixed steps).
+
 Draft length adapts per sequence (`DraftLength`): all of a step's drafts accepted doubles the
 next ask (up to `max_draft`), otherwise the next ask is one more than what was accepted, so a
 sequence whose text the proposer cannot predict costs at most one extra row a step. On a CPU a
@@ -39,6 +48,7 @@ class Proposer(Protocol):
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `token_ids` (prompt and output so far)."""
         ...
+
 
 DRAFTERS = ("ngram",)  # `EngineConfig.draft` / `tolk worker --draft`
 
@@ -91,13 +101,20 @@ class Drafter:
         self.length = length
         self._last: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) seen
 
-    def propose(self, running: Iterable[SequenceState], max_model_len: int) -> int:
+    def propose(
+        self, running: Iterable[SequenceState], max_model_len: int, max_rows: int | None = None
+    ) -> int:
         """Set `draft_ids` of every running sequence that decodes greedily; returns how many
-        draft tokens were proposed."""
+        draft tokens were proposed. `max_rows`: rows the next step may have (each decoding
+        sequence 1, plus its drafts) for it to stay in the compiled graph, where a draft's row
+        is computed exactly as a decode row (module notes); drafts beyond it are not asked for."""
+        running = list(running)
+        rows_left = None if max_rows is None else max_rows - len(running)
         proposed = 0
         live: dict[str, tuple[int, int]] = {}
         for seq in running:
             params = seq.request.params
+            seq.draft_ids = []
             if params.temperature > 0 or seq.num_remaining != 1:
                 continue  # sampled, or still in prefill
             before = self._last.get(seq.request_id, (0, 0))
@@ -111,9 +128,11 @@ class Drafter:
                 params.max_new_tokens - len(seq.output_ids) - 1,
                 max_model_len - len(seq.token_ids) - 1,
             )
-            k = min(seq.draft_len, room)
+            k = min(seq.draft_len, room, rows_left if rows_left is not None else room)
             seq.draft_ids = self.proposer.propose(seq.token_ids, k) if k > 0 else []
             proposed += len(seq.draft_ids)
+            if rows_left is not None:
+                rows_left -= len(seq.draft_ids)
         self._last = live
         return proposed
 
