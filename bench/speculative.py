@@ -110,7 +110,8 @@ def main() -> None:
     )  # fmt: skip
     plain = Engine(loaded, config)
     spec = Engine(loaded, config)  # the same prepared model, its own KV pools
-    spec.drafter = make_drafter(args.draft, args.draft_max)
+    rows = config.compile_max_rows if args.compile_decode else None  # as the engine sets it
+    spec.drafter = make_drafter(args.draft, args.draft_max, config.max_model_len, rows)
     for engine in (plain, spec):
         engine.warm(sorted({i.target_lang for i in items}))
     rows = []

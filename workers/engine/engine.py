@@ -135,7 +135,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
                 self.model, bs, self.config.max_model_len,
                 max_batch=self.config.max_num_seqs, use_triton=self.config.triton_kernels,
             )  # fmt: skip
-        self.drafter = make_drafter(self.config.draft, self.config.draft_max)
+        c = self.config  # drafts within the compiled graph's rows, where checks are exact
+        rows = c.compile_max_rows if self.compiled is not None else None
+        self.drafter = make_drafter(c.draft, c.draft_max, c.max_model_len, rows)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_seqs,
@@ -388,8 +390,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
         if self.drafter is not None:  # the next step's drafts, from the tokens known now
-            rows = self.config.compile_max_rows if self.compiled is not None else None
-            self.drafter.propose(self.scheduler.running, self.config.max_model_len, rows)
+            self.drafter.propose(self.scheduler.running)
         results = [self._finish(seq) for seq in finished]
         if self.step_trace is not None and out.chunks:
             self.step_trace.append(step_record(out, time.perf_counter() - started))

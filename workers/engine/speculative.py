@@ -96,20 +96,27 @@ class DraftLength:
 class Drafter:
     """Gives each decoding, greedy sequence its drafts for the next step."""
 
-    def __init__(self, proposer: Proposer, length: DraftLength) -> None:
+    def __init__(
+        self,
+        proposer: Proposer,
+        length: DraftLength,
+        max_model_len: int = 2048,
+        max_rows: int | None = None,
+    ) -> None:
+        """`max_rows`: rows a step may have (each running sequence 1, plus its drafts) to stay
+        in the compiled graph, where a draft's row is computed exactly as a decode row (module
+        notes); drafts beyond it are not asked for. None: no bound (an eager engine)."""
         self.proposer = proposer
         self.length = length
+        self.max_model_len = max_model_len
+        self.max_rows = max_rows
         self._last: dict[str, tuple[int, int]] = {}  # request id -> (drafted, accepted) seen
 
-    def propose(
-        self, running: Iterable[SequenceState], max_model_len: int, max_rows: int | None = None
-    ) -> int:
+    def propose(self, running: Iterable[SequenceState]) -> int:
         """Set `draft_ids` of every running sequence that decodes greedily; returns how many
-        draft tokens were proposed. `max_rows`: rows the next step may have (each decoding
-        sequence 1, plus its drafts) for it to stay in the compiled graph, where a draft's row
-        is computed exactly as a decode row (module notes); drafts beyond it are not asked for."""
+        draft tokens were proposed."""
         running = list(running)
-        rows_left = None if max_rows is None else max_rows - len(running)
+        rows_left = None if self.max_rows is None else self.max_rows - len(running)
         proposed = 0
         live: dict[str, tuple[int, int]] = {}
         for seq in running:
@@ -126,7 +133,7 @@ class Drafter:
             # sequence's length limit
             room = min(
                 params.max_new_tokens - len(seq.output_ids) - 1,
-                max_model_len - len(seq.token_ids) - 1,
+                self.max_model_len - len(seq.token_ids) - 1,
             )
             k = min(seq.draft_len, room, rows_left if rows_left is not None else room)
             seq.draft_ids = self.proposer.propose(seq.token_ids, k) if k > 0 else []
@@ -137,10 +144,13 @@ class Drafter:
         return proposed
 
 
-def make_drafter(name: str | None, max_draft: int) -> Drafter | None:
-    """The drafter `EngineConfig.draft` names (None: no speculation)."""
+def make_drafter(
+    name: str | None, max_draft: int, max_model_len: int = 2048, max_rows: int | None = None
+) -> Drafter | None:
+    """The drafter `EngineConfig.draft` names (None: no speculation); see `Drafter`."""
     if name is None:
         return None
     if name == "ngram":
-        return Drafter(NgramProposer(), DraftLength(min(4, max_draft), max_draft))
+        length = DraftLength(min(4, max_draft), max_draft)
+        return Drafter(NgramProposer(), length, max_model_len, max_rows)
     raise ValueError(f"unknown draft method {name!r} (known: {', '.join(DRAFTERS)})")
