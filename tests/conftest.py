@@ -274,6 +274,25 @@ def greedy() -> Any:
     return paged_greedy
 
 
+def staggered_greedy(
+    engine: Any, prompts: list[list[int]], max_new_tokens: int = 14, alone_steps: int = 3
+) -> list[list[int]]:
+    """Greedy tokens of `prompts` on `engine`: the first prompt alone for `alone_steps` steps,
+    then the others join while it decodes: a prefill step, decode steps, then mixed steps
+    (decode rows beside prefill chunks)."""
+    from workers.engine.types import GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, stop_at_newline=False)
+    handles = [engine.submit(GenerationRequest("r0", prompts[0], params))]
+    for _ in range(alone_steps):
+        engine.step()
+    handles += [
+        engine.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts[1:], 1)
+    ]
+    engine.run_until_done()
+    return [h.result(timeout=0).token_ids for h in handles]
+
+
 def tiny_hf_config(arch: str, **overrides: Any) -> Any:
     """Small transformers configs (Llama, Gemma 3 text, Qwen 2, Qwen 3) that still exercise every
     flag of the model file (windows shorter than the text, soft-caps, linear RoPE scaling, q/k/v

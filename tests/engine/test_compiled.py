@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import staggered_greedy
 from workers.engine.compiled import CompiledDecode
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import load_model
@@ -127,20 +128,6 @@ def test_background_compile_serves_eagerly_until_ready(tiny_config: Any, tiny_mo
     assert after[0].token_ids == eager[0].token_ids
 
 
-def _interleaved(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """The first prompt alone for three steps, then the others join while it decodes: a
-    prefill step, decode steps, then mixed steps (decode rows beside prefill chunks)."""
-    params = SamplingParams(max_new_tokens=14, ignore_eos=True, stop_at_newline=False)
-    handles = [engine.submit(GenerationRequest("r0", prompts[0], params))]
-    for _ in range(3):
-        engine.step()
-    handles += [
-        engine.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts[1:], 1)
-    ]
-    engine.run_until_done()
-    return [h.result(timeout=0).token_ids for h in handles]
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_prefill_and_mixed_steps_run_compiled_with_the_eager_tokens(
     arch: str, tiny_config: Any, tiny_models: Any
@@ -152,12 +139,12 @@ def test_prefill_and_mixed_steps_run_compiled_with_the_eager_tokens(
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (6, 21, 3)]
     config = {"kv_cache_tokens": 2048, "max_num_batched_tokens": 8}
-    eager = _interleaved(Engine(loaded, EngineConfig(**config)), prompts)
+    eager = staggered_greedy(Engine(loaded, EngineConfig(**config)), prompts)
     engine = Engine(
         loaded,
         EngineConfig(**config, compile_decode=True, compile_max_batch=4, compile_max_rows=8),
     )
-    assert _interleaved(engine, prompts) == eager
+    assert staggered_greedy(engine, prompts) == eager
     kinds, stats = engine.stats.steps_by_kind, engine.stats
     assert kinds["prefill"] >= 1 and kinds["mixed"] >= 2
     # every step ran compiled: decode steps as decode graphs, the others as rows

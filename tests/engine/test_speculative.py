@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import staggered_greedy
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
@@ -176,18 +177,6 @@ class OracleProposer:
         return []
 
 
-def _run(engine: Engine, prompts: list[list[int]], max_new: int = 12) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True, stop_at_newline=False)
-    handles = [engine.submit(GenerationRequest("r0", prompts[0], params))]
-    for _ in range(2):  # the first alone for two steps, then the others join (mixed steps)
-        engine.step()
-    handles += [
-        engine.submit(GenerationRequest(f"r{i}", p, params)) for i, p in enumerate(prompts[1:], 1)
-    ]
-    engine.run_until_done()
-    return [h.result(timeout=0).token_ids for h in handles]
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 def test_drafts_never_change_greedy_output(arch: str, tiny_config: Any, tiny_models: Any) -> None:
     _, loaded = tiny_models(tiny_config(arch, vocab_size=64))
@@ -195,7 +184,7 @@ def test_drafts_never_change_greedy_output(arch: str, tiny_config: Any, tiny_mod
     prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (9, 23, 4)]
     config = EngineConfig(kv_cache_tokens=1024, block_size=4, max_num_batched_tokens=16)
     plain_engine = Engine(loaded, config)
-    plain = _run(plain_engine, prompts)
+    plain = staggered_greedy(plain_engine, prompts, 12, 2)
     references = [p + out for p, out in zip(prompts, plain, strict=True)]
 
     for proposer, all_right in [
@@ -205,7 +194,7 @@ def test_drafts_never_change_greedy_output(arch: str, tiny_config: Any, tiny_mod
     ]:
         engine = Engine(loaded, config)
         engine.drafter = Drafter(proposer, DraftLength(initial=3, max_draft=6))
-        assert _run(engine, prompts) == plain, type(proposer).__name__
+        assert staggered_greedy(engine, prompts, 12, 2) == plain, type(proposer).__name__
         stats = engine.stats
         if all_right is None:
             continue
