@@ -318,7 +318,11 @@ def _tokenizer(directory: str, eos_id: int | None, eos_ids: tuple[int, ...]) -> 
     changes a tokenizer after this."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    # fix_mistral_regex=False: transformers 4.57.3-4.57.6 warns of "an incorrect regex pattern"
+    # for every local checkpoint that version saved, Mistral or not (its check reads only the
+    # config's transformers_version); False states that no Mistral fix applies, and changes
+    # nothing (Qwen's pattern is checked by the parity tests)
+    tokenizer = AutoTokenizer.from_pretrained(directory, fix_mistral_regex=False)
     if eos_id is not None and tokenizer.eos_token_id not in eos_ids:
         # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
         # model config read from the same GGUF has the right id
@@ -335,6 +339,6 @@ def load_reference_hf_model(
     t0 = time.perf_counter()
     directory = checkpoint_dir(source, cache_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, fix_mistral_regex=False)  # _tokenizer
     log.info("loaded HF reference %s in %.1fs", source, time.perf_counter() - t0)
     return hf_model, tokenizer

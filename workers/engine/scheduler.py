@@ -27,7 +27,8 @@ target's greedy token after each of those rows, and `update_from_output` keeps t
 target agrees with plus the target's own next token (vLLM v1's shape: the scheduler owns
 `num_computed`, so rejecting a draft is only not counting its KV: its slots are overwritten by
 the next step, and prefix-cache blocks are published only over verified tokens). Greedy output
-is the same token for token as without drafts.
+is the model's own token for token where a checked row computes as a decode row does (the
+compiled graph; speculative.py says where it does not).
 """
 
 from __future__ import annotations
