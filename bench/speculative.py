@@ -110,11 +110,11 @@ def main() -> None:
     )  # fmt: skip
     plain = Engine(loaded, config)
     spec = Engine(loaded, config)  # the same prepared model, its own KV pools
-    rows = config.compile_max_rows if args.compile_decode else None  # as the engine sets it
-    spec.drafter = make_drafter(args.draft, args.draft_max, config.max_model_len, rows)
+    max_rows = config.compile_max_rows if args.compile_decode else None  # as the engine sets
+    spec.drafter = make_drafter(args.draft, args.draft_max, config.max_model_len, max_rows)
     for engine in (plain, spec):
         engine.warm(sorted({i.target_lang for i in items}))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for item in items:  # interleaved: both engines see the machine's same minute
         rows.append(
             {
