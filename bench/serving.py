@@ -38,6 +38,7 @@ import argparse
 import itertools
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -109,7 +110,14 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
                  langs: Sequence[str]) -> tuple[Driver, JSON]:  # fmt: skip
     """Start `system` (stopped when `stack` closes); returns its driver and start-up facts."""
     from bench import serving_llamaserver as llama
-    from bench.serving_kafka import drive_bridge, start_tolk_worker, stop_process, wait_compiled
+    from bench.serving_kafka import (
+        drive_bridge,
+        start_hog,
+        start_tolk_worker,
+        stop_process,
+        wait_compiled,
+        wait_tuned,
+    )
     from workers.engine.loader import resolve_source
     from workers.loadtest.bridge import KafkaBridge
 
@@ -122,11 +130,18 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
 
         ensure_topics(args.bootstrap, catalog(langs, prefix=prefix))
         port = llama.free_port()  # the worker's metrics endpoint
+        env: dict[str, str] = {}
+        if args.fresh_cache:  # a machine never seen: nothing converted, compiled or probed
+            cache = Path(tempfile.mkdtemp(prefix="tolk-fresh-cache-"))
+            stack.callback(shutil.rmtree, cache, True)
+            env["TOLK_CACHE_DIR"] = str(cache)
+        if args.hog_s > 0:
+            stack.callback(stop_process, start_hog(args.hog_s), 1.0)
         proc, start_s = start_tolk_worker(
             bootstrap=args.bootstrap, redis_url=args.redis_url, prefix=prefix, languages=langs,
             model=args.model, max_new_tokens=args.max_new_tokens,
             worker_args=shlex.split(args.worker_args), log_path=logs / f"{prefix}worker.log",
-            metrics_port=port,
+            metrics_port=port, env_extra=env,
         )  # fmt: skip
         info["metrics_url"] = f"http://127.0.0.1:{port}/metrics"
         stack.callback(stop_process, proc)
@@ -134,6 +149,10 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         compiled_s = wait_compiled(proc, logs / f"{prefix}worker.log")
         if compiled_s is not None:  # steady state: measured once the graphs serve
             info["assigned_to_compiled_s"] = round(compiled_s, 1)
+        tuned = wait_tuned(proc, logs / f"{prefix}worker.log")
+        if tuned is not None:  # measured on the configuration the tuner settled on
+            info["assigned_to_tuned_s"] = round(tuned[0], 1)
+            info["tuned_config"] = tuned[1]
         info["worker_cmd"] = f"tolk worker --model {args.model} {args.worker_args}".strip()
     else:
         binary = llama.find_llama_server()
@@ -318,6 +337,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=2.0, help="idle seconds before each point")
     p.add_argument("--model", default="gemma3-270m", help="preset or .gguf (both systems)")
     p.add_argument("--worker-args", default="--no-cache", help="extra `tolk worker` flags")
+    p.add_argument(
+        "--fresh-cache", action="store_true",
+        help="each tolk start with an empty TOLK_CACHE_DIR (a machine never seen)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hog-s", type=float, default=0.0,
+        help="a busy loop on one core for the first N s of each tolk start (issue #47)",
+    )  # fmt: skip
     p.add_argument("--llama-threads", type=int, default=2)
     p.add_argument("--llama-parallel", type=int, default=4, help="llama-server -np (slots)")
     p.add_argument("--llama-cache-reuse", type=int, default=256)

@@ -31,9 +31,11 @@ __all__ = [
     "completion_outcome",
     "drive_bridge",
     "scrape_step_kinds",
+    "start_hog",
     "start_tolk_worker",
     "step_kinds_between",
     "stop_process",
+    "wait_tuned",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,11 +68,13 @@ def start_tolk_worker(
     log_path: Path,
     timeout_s: float = 900.0,
     metrics_port: int = 0,
+    env_extra: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], float]:
     """(process, seconds from process start to its partition assignment); `metrics_port`: its
-    Prometheus endpoint (0: none)."""
+    Prometheus endpoint (0: none); `env_extra`: more environment (TOLK_CACHE_DIR, say)."""
     env = {
         **os.environ,
+        **(env_extra or {}),
         "TOLK_BOOTSTRAP": bootstrap,
         "TOLK_REDIS_URL": redis_url,
         "TOLK_TOPIC_PREFIX": prefix,
@@ -120,6 +124,45 @@ def wait_compiled(
             raise RuntimeError(f"tolk worker exited {proc.returncode}; see {log_path}")
         time.sleep(0.5)
     raise RuntimeError(f"tolk worker's decode graphs not compiled within {timeout_s:.0f} s")
+
+
+def wait_tuned(
+    proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 1800.0
+) -> tuple[float, str] | None:
+    """(seconds, the configuration it serves) once a worker whose tuner probes in the
+    background (workers/engine/tuner.py: a start with no stored probe) has moved to the probe's
+    choice or kept its own; None when its tuner did not probe (a stored probe, or flags)."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + timeout_s:
+        text = log_path.read_text(errors="replace")
+        start = text.find("config tuner: probing")
+        if start < 0:
+            if "consuming" in text and "chosen without measuring" not in text:
+                return None
+            if proc.poll() is not None:
+                raise RuntimeError(f"tolk worker exited {proc.returncode}; see {log_path}")
+            time.sleep(0.5)
+            continue
+        after = text[start:]
+        for marker in ("config tuner: switched ", "config tuner: keeping "):
+            at = after.find(marker)
+            if at >= 0:
+                line = after[at + len(marker) :].split("\n", 1)[0]
+                # "int8 -> int8+compiled: why (now: ...)" or "int8+compiled (why)"
+                label = line.split(":", 1)[0].split(" -> ")[-1].split(" (", 1)[0].strip()
+                return time.monotonic() - t0, label
+        if "the probe failed" in after:
+            return time.monotonic() - t0, "probe failed"
+        if proc.poll() is not None:
+            raise RuntimeError(f"tolk worker exited {proc.returncode}; see {log_path}")
+        time.sleep(0.5)
+    raise RuntimeError(f"tolk worker's tuner did not settle within {timeout_s:.0f} s")
+
+
+def start_hog(seconds: float) -> subprocess.Popen[bytes]:
+    """A busy loop on one core for `seconds` (the issue #47 bench's "other work on the host")."""
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
 def scrape_step_kinds(url: str) -> dict[str, tuple[float, float]]:

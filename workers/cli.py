@@ -93,8 +93,13 @@ def down() -> None:
 
 @app.command()
 def status() -> None:
-    """Say what runs; exit 0 only when both Kafka and redis answer."""
-    _stack("status")
+    """Say what runs (and a local worker's configuration); exit 0 only when both Kafka and
+    redis answer."""
+    from workers.health import describe_local_worker
+
+    code = run_stack("status")
+    typer.echo(describe_local_worker())
+    raise typer.Exit(code)
 
 
 def _settings(**overrides: Any) -> Any:

@@ -9,6 +9,8 @@ pod counts as available during a rollout (readiness) and when to restart a wedge
   for the prefix), the consumer has subscribed to the request topics (an assignment may not
   come: a group with more workers than partitions leaves some idle, and they are still ready),
   and the worker is not draining or stopped. A worker that is draining turns not-ready at once.
+  Its JSON also says which configuration serves and why (`config`: the tuner's
+  `ConfigReport`, workers/engine/tuner.py), read by `tolk status`.
 * `/livez`, "this process is not wedged": false only when the engine loop has not come round
   (`Engine.loop_heartbeat`, stamped once per loop iteration) for `stall_after_s` while requests
   are in flight. An idle worker is live; a slow step is live until it exceeds the stall time.
@@ -41,7 +43,14 @@ from typing import Any, Protocol
 
 from workers.ports import DEFAULT_HEALTH_PORT, open_server
 
-__all__ = ["HealthServer", "ProbeResult", "WorkerProbes", "engine_attribute", "start_health_server"]
+__all__ = [
+    "HealthServer",
+    "ProbeResult",
+    "WorkerProbes",
+    "describe_local_worker",
+    "engine_attribute",
+    "start_health_server",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +64,13 @@ def engine_attribute(engine: Any, name: str) -> Any:
 class ProbeResult:
     ok: bool
     reasons: list[str] = field(default_factory=list)  # why not ok (empty when ok)
+    config: dict[str, Any] | None = None  # the served configuration (readiness only)
 
     def body(self) -> bytes:
-        return json.dumps({"ok": self.ok, "reasons": self.reasons}).encode()
+        body: dict[str, Any] = {"ok": self.ok, "reasons": self.reasons}
+        if self.config is not None:
+            body["config"] = self.config
+        return json.dumps(body).encode()
 
 
 class ProbedWorker(Protocol):
@@ -101,7 +114,9 @@ class WorkerProbes:
         cold = self.cold_languages()
         if cold:
             reasons.append("prompt prefix not warm: " + ",".join(cold))
-        return ProbeResult(not reasons, reasons)
+        report = engine_attribute(w.engine, "config_report")  # the tuner's (engine/tuner.py)
+        config = report.as_json() if report is not None else None
+        return ProbeResult(not reasons, reasons, config)
 
     def cold_languages(self) -> list[str]:
         """Served languages the engine supports whose prefix it has not warmed."""
@@ -186,3 +201,40 @@ def start_health_server(port: int | None, probes: WorkerProbes) -> HealthServer 
         setting="TOLK_HEALTH_PORT",
     )
     return None if opened is None else opened[0]
+
+
+def describe_local_worker(port: int | None = None, timeout_s: float = 1.0) -> str:
+    """`tolk status`'s line about a worker on this host: its readiness and the configuration
+    it serves, from its `/readyz` (`port`: TOLK_HEALTH_PORT when a number, else 8081)."""
+    import os
+    from urllib.error import HTTPError, URLError
+    from urllib.request import urlopen
+
+    if port is None:
+        env = os.environ.get("TOLK_HEALTH_PORT", "")
+        port = int(env) if env.isdigit() and int(env) > 0 else DEFAULT_HEALTH_PORT
+    url = f"http://127.0.0.1:{port}/readyz"
+    try:
+        with urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 (a loopback URL)
+            body = json.loads(reply.read())
+    except HTTPError as exc:  # 503: not ready, with the same JSON
+        body = json.loads(exc.read() or b"{}")
+    except (URLError, OSError, ValueError):
+        return f"worker: none answers on 127.0.0.1:{port} (TOLK_HEALTH_PORT)"
+    state = "ready" if body.get("ok") else "not ready: " + "; ".join(body.get("reasons", []))
+    config = body.get("config")
+    if not config:
+        return f"worker on :{port}: {state}"
+    lines = [
+        f"worker on :{port}: {state}",
+        f"  config: {config['in_use']}",
+        f"  why: {config['reason']}",
+    ]
+    if config.get("probing"):
+        lines.append("  probing in the background")
+    if config.get("served_vs_probe") is not None:
+        lines.append(f"  served decode speed: {config['served_vs_probe']:.2f}x the probe's figure")
+    if config.get("switches"):
+        lines.append(f"  switches: {config['switches']} (last: {config['last_switch']})")
+    lines += [f"  candidate {c}" for c in config.get("candidates", [])]
+    return "\n".join(lines)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 __all__ = ["EngineMetrics"]
 
@@ -78,12 +78,48 @@ class EngineMetrics:
             registry=registry,
         )
         self._engine_seen: dict[str, float] = {}
+        self._register_config_metrics(ns, registry)
+
+    def _register_config_metrics(self, ns: str, registry: CollectorRegistry) -> None:
+        self.engine_config = Info(
+            "engine_config",
+            "The served configuration (weights, compiled decode) and why the tuner chose it "
+            "(workers/engine/tuner.py).",
+            namespace=ns,
+            registry=registry,
+        )
+        self.engine_config_switches = Counter(
+            "engine_config_switches",
+            "Moves of the serving engine to another configuration without a restart.",
+            namespace=ns,
+            registry=registry,
+        )
+
+    def update_config(self, report: Any) -> None:
+        """Copy a `ConfigReport` (workers/engine/autoconfig.py) into the info metric and the
+        switch counter (its count is cumulative, like the engine's counters)."""
+        if report is None:
+            return
+        self.engine_config.info(
+            {
+                "in_use": report.in_use,
+                "reason": report.reason[:200],
+                "probing": str(report.probing).lower(),
+                "served_vs_probe": "" if report.served_vs_probe is None else
+                f"{report.served_vs_probe:.2f}",
+            }
+        )  # fmt: skip
+        last = int(self._engine_seen.get("config_switches", 0))
+        if report.switches > last:
+            self.engine_config_switches.inc(report.switches - last)
+        self._engine_seen["config_switches"] = report.switches
 
     def update_engine(self, snapshot: Any) -> None:
         """Copy an `EngineSnapshot` (workers/engine/engine_snapshot.py) into the engine metrics.
 
         Its counters are cumulative since the engine was built; each Prometheus counter grows by
         the increase since the last snapshot (a smaller value, a new engine, counts from 0)."""
+        self.update_config(getattr(snapshot, "config", None))
         self.engine_kv_usage.set(snapshot.kv_usage)
         self.engine_running.set(snapshot.running)
         for name, counter in (

@@ -5,12 +5,16 @@ reachable) and hands over a `WorkerPlan`; `run_worker` then
 
 1. opens the TM index when retrieved examples are asked for (a bad one refuses the start);
 2. resolves the weights and compiled decode (flags, else the auto configuration's cached
-   probe, `workers/engine/autoprobe.py`), with the compile caches under the cache root, and
-   the running batch's cap from the probe's speeds (`workers/engine/batch_cap.py`);
+   probe, `workers/engine/autoprobe.py`; without one, the unmeasured choice, int8 eager,
+   served at once while the tuner probes in the background, `workers/engine/tuner.py`), with
+   the compile caches under the cache root, and the running batch's cap from the probe's
+   speeds (`workers/engine/batch_cap.py`);
 3. picks the engine for the device (`workers/engine/device_select.py`: the GPU path checked
    against the eager one) and builds the weighted fair engine over the languages' policies;
 4. wraps it in the serving stages through the one builder (`workers/serving/pipeline.py`);
-5. runs the Kafka worker until it is stopped, and returns the process's exit code.
+5. on the CPU with the auto configuration, starts the tuner (background probe when none is
+   stored, the served speed checked against the probe's, a move without a restart);
+6. runs the Kafka worker until it is stopped, and returns the process's exit code.
 
 A configuration that cannot start raises `StartRefused` (a message, the exit code, and the
 option to blame when there is one) before any record is consumed. SIGTERM / SIGINT before the
@@ -81,10 +85,12 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     retriever = _open_retriever(plan) if plan.tm_examples > 0 else None  # before the model
     root = cache_root(settings.cache_dir)
     configure_compile_caches(root)  # before anything compiles or builds (disk_cache.py)
+    if plan.resolved_device == "cpu":
+        _build_cpu_ops_in_background()
     try:
         choice = resolve_worker_config(
             settings.model, device=plan.resolved_device, quantize=plan.quantize,
-            compile_decode=plan.compile_decode, auto=plan.auto, cache_root=root,
+            compile_decode=plan.compile_decode, auto=plan.auto, cache_root=root, background=True,
         )  # fmt: skip
     except ValueError as exc:
         raise StartRefused(str(exc), option="--quantize") from None
@@ -98,11 +104,8 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     policies = {k: v for k, v in settings.policies.items() if k in settings.languages}
     max_new_tokens = max((p.max_new_tokens for p in policies.values()), default=256)
     # the running batch's cap from the probe's speeds and the tightest SLO (batch_cap.py)
-    cap = choose_batch_cap(
-        choice.tok_s_by_batch,
-        min((p.slo_p99_s for p in policies.values()), default=None),
-        EngineConfig().max_num_seqs,
-    )
+    tightest_slo = min((p.slo_p99_s for p in policies.values()), default=None)
+    cap = choose_batch_cap(choice.tok_s_by_batch, tightest_slo, EngineConfig().max_num_seqs)
     log.info("running batch cap %s", cap.reason)
     engine_config = EngineConfig(
         model=settings.model,
@@ -129,6 +132,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded,
         decode_step_s=cap.step_s,
     )  # fmt: skip
+    del loaded  # the engine holds it; a switch of configuration must be able to free it
     final = selection.config  # the translation cache keeps each weight format's answers apart
     dtype_part = f",dtype={final.dtype}" if final.dtype else ""
     # the stages and their order (which one sees which request): workers/serving/pipeline.py
@@ -148,7 +152,57 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
             context=plan.context,
         ),
     )
-    return _serve(settings, served)
+    tuner = None
+    if plan.auto and plan.resolved_device == "cpu" and (choice.pending_probe or choice.figures):
+        tuner = _start_tuner(engine.engine, choice, settings, plan, root, tightest_slo)
+    try:
+        return _serve(settings, served)
+    finally:
+        if tuner is not None:
+            tuner.stop()
+
+
+def _start_tuner(
+    engine: Any, choice: Any, settings: Any, plan: WorkerPlan, root: Path, slo: float | None
+) -> Any:
+    """The background probe and online check of the served configuration (tuner.py)."""
+    from dataclasses import replace
+
+    from workers.engine.autoconfig import Overrides
+    from workers.engine.autoprobe import QUANTIZE_FLAGS, auto_config
+    from workers.engine.batch_cap import choose_batch_cap
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.tuner import ConfigTuner
+
+    weights = QUANTIZE_FLAGS[plan.quantize] if plan.quantize is not None else None
+    over = Overrides(weights, plan.compile_decode)
+
+    def probe() -> Any:
+        return auto_config(settings.model, root, over, settings.model, force=True)
+
+    def build(new: Any) -> Any:
+        cap = choose_batch_cap(new.tok_s_by_batch, slo, EngineConfig().max_num_seqs)
+        c = new.candidate
+        config = replace(
+            engine.config, dtype=c.dtype, quantize=c.quantize, compile_decode=c.compile_decode,
+            compile_in_background=False, max_num_seqs=cap.max_num_seqs,
+        )  # fmt: skip
+        return Engine.from_config(config)
+
+    tuner = ConfigTuner(engine, choice, probe=probe, build=build)
+    tuner.start()
+    return tuner
+
+
+def _build_cpu_ops_in_background() -> None:
+    """Start the C++ ops' first build (~20 s of g++ on a machine never seen, kernels/cpu_ops.py)
+    now, beside the model's loading and conversion: the compiler runs in child processes, so
+    the two overlap on two cores. The ops' first user waits on `cpu_ops.load()`'s lock."""
+    import threading
+
+    from kernels import cpu_ops
+
+    threading.Thread(target=cpu_ops.load, name="tolk-cpu-ops-build", daemon=True).start()
 
 
 def _open_retriever(plan: WorkerPlan) -> Any:

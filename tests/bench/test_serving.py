@@ -340,3 +340,35 @@ def test_drive_bridge_keeps_every_offered_request() -> None:
     assert ok.latency_s is not None and ok.ttft_s == pytest.approx(ok.latency_s - 0.03)
     assert by["TIMEOUT"].lang == "en" and by["TIMEOUT"].latency_s is None
     assert 0.1 <= window < 1.0
+
+
+def test_wait_tuned_reads_the_configuration_the_tuner_settled_on(tmp_path: Path) -> None:
+    """bench.serving measures a first start once its tuner settled (workers/engine/tuner.py)
+    and records which configuration that was; bench.first_start's flags name it again."""
+    import subprocess
+    import sys
+
+    from bench.first_start import flags_of
+    from bench.serving_kafka import wait_tuned
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    log = tmp_path / "worker.log"
+    try:
+        log.write_text("auto config chose int8+compiled: fastest ...\nworker w consuming ['t']\n")
+        assert wait_tuned(proc, log, timeout_s=5) is None  # a stored probe: no tuner probe
+        log.write_text(
+            "auto config chose int8: chosen without measuring (...)\n"
+            "config tuner: probing (first start)\nworker w consuming ['t']\n"
+            "config tuner: switched int8 -> int8+compiled: first start (now: int8+compiled: x)\n"
+        )
+        seconds, label = wait_tuned(proc, log, timeout_s=5) or (None, None)
+        assert label == "int8+compiled" and seconds is not None
+        log.write_text(
+            "config tuner: probing (x)\nconfig tuner: keeping float32 (float32: fastest)\n"
+        )
+        assert (wait_tuned(proc, log, timeout_s=5) or (0, ""))[1] == "float32"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert flags_of("int8+compiled") == "--quantize int8 --compile-decode"
+    assert flags_of("float32") == "--quantize none --no-compile-decode"

@@ -188,3 +188,21 @@ def test_pace_hook_holds_other_groups_newcomers_for_a_step():
     s.pace = None
     out, _ = run_step(s)
     assert [c.seq.request_id for c in out.chunks] == ["light", "heavy", "light2"]
+
+
+def test_held_newcomers_wait_while_running_and_preempted_ones_go_on():
+    """Engine.switch_to: while the scheduler holds newcomers, the running sequence finishes and
+    the queue's request waits (none starts on the old model); released, it starts."""
+    s = make()
+    s.add_request(req("a", 4, max_new=2))
+    run_step(s)  # a prefills
+    s.hold_newcomers = True
+    s.add_request(req("b", 4, base=200))
+    out, finished = run_step(s)
+    assert plan(out) == [("a", 4, 1)]
+    assert [f.request_id for f in finished] == ["a"]
+    out, _ = run_step(s)
+    assert plan(out) == [] and s.num_waiting == 1 and not s.running
+    s.hold_newcomers = False
+    out, _ = run_step(s)
+    assert plan(out) == [("b", 0, 4)]

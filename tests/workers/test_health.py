@@ -312,3 +312,36 @@ def test_real_engine_not_ready_before_warm_up_and_ready_after(smollm2: Any, stac
     assert probe(port, "/readyz") == (200, {"ok": True, "reasons": []})
     assert engine.loop_heartbeat is not None
     assert time.monotonic() - engine.loop_heartbeat < 5.0
+
+
+def test_readiness_shows_the_served_configuration_and_tolk_status_reads_it() -> None:
+    """The tuner's report (workers/engine/tuner.py) travels in /readyz's JSON, and `tolk
+    status`'s worker line (`describe_local_worker`) reads it back from the port."""
+    from workers.engine.autoconfig import ConfigReport
+    from workers.health import describe_local_worker
+
+    engine = StallableEngine(warmed={"de", "fr"})
+    engine.config_report = ConfigReport(  # type: ignore[attr-defined]
+        in_use="int8+compiled",
+        reason="fastest that passes the quality gate",
+        candidates=("float32: b1 40.0 tok/s", "int8+compiled: b1 90.0 tok/s"),
+        switches=1,
+        last_switch="int8 -> int8+compiled: first start",
+        served_vs_probe=0.93,
+    )
+    worker = _StubWorker(_served(engine))
+    worker.subscribed_event.set()
+    probes = WorkerProbes(worker, stall_after_s=5.0)
+    body = json.loads(probes.readiness().body())
+    assert body["ok"] and body["config"]["in_use"] == "int8+compiled"
+    server = start_health_server(free_port(), probes)
+    assert server is not None
+    try:
+        text = describe_local_worker(server.port)
+    finally:
+        server.shutdown()
+    assert f"worker on :{server.port}: ready" in text
+    assert "config: int8+compiled\n  why: fastest that passes the quality gate" in text
+    assert "0.93x the probe's figure" in text and "switches: 1" in text
+    assert "candidate float32: b1 40.0 tok/s" in text
+    assert "none answers" in describe_local_worker(free_port())

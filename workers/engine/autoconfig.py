@@ -121,9 +121,58 @@ class Choice:
     reason: str
     lines: tuple[str, ...]  # one per candidate: speeds, gate, why (not) chosen
     tok_s_by_batch: Mapping[int, float] = field(default_factory=dict)  # the chosen one's
+    # True: chosen without a usable probe (none on disk, or one taken on a busy host): the
+    # worker serves it at once and probes in the background (workers/engine/tuner.py)
+    pending_probe: bool = False
+    # every measured candidate's speeds by batch size (the tuner's online check compares the
+    # served speed with them)
+    figures: Mapping[Candidate, Mapping[int, float]] = field(default_factory=dict)
 
 
 FALLBACK = Candidate("float32", compile_decode=False)
+START_FORMATS = ("int8", "float32")  # the unmeasured first choice: the first whose gate passes
+
+
+def unmeasured_choice(gates: Mapping[str, Gate], overrides: Overrides | None = None) -> Choice:
+    """The configuration a worker serves before any probe (a machine never seen): eager, so
+    nothing compiles in the foreground, and int8 where its gate passes (measured faster than
+    float32 eager on every machine and model so far, docs/BENCHMARKS.md), else float32. The
+    flags win. `pending_probe` is set: the tuner measures and may move away from it."""
+    over = overrides or Overrides()
+    weights = over.weights or next(
+        (w for w in START_FORMATS if gates.get(w, Gate(False, "")).passed), FALLBACK.weights
+    )
+    candidate = Candidate(weights, bool(over.compile_decode))
+    reason = (
+        f"{candidate.label}: chosen without measuring (no probe of this machine yet; it runs in "
+        f"the background and the worker moves to its choice; flags: {over.describe()})"
+    )
+    return Choice(candidate, reason, (), pending_probe=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigReport:
+    """What `/readyz`, `tolk status` and the info metric show of the served configuration
+    (written by the tuner, read from any thread: replaced whole, never changed)."""
+
+    in_use: str  # the candidate's label, e.g. "int8+compiled"
+    reason: str  # why it was chosen
+    candidates: tuple[str, ...] = ()  # one line per candidate (speeds, gate, why not)
+    probing: bool = False  # a probe runs in the background now
+    switches: int = 0  # configuration changes since the worker started
+    last_switch: str = ""  # from -> to, and why
+    served_vs_probe: float | None = None  # served decode speed / the probe's figure, last check
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "in_use": self.in_use,
+            "reason": self.reason,
+            "candidates": list(self.candidates),
+            "probing": self.probing,
+            "switches": self.switches,
+            "last_switch": self.last_switch,
+            "served_vs_probe": self.served_vs_probe,
+        }
 
 
 def gate_for(model: str, weights: str, table: Mapping[str, Any] | None = None) -> Gate:
@@ -198,6 +247,7 @@ def choose(
             tuple(lines),
         )
     best = max(eligible, key=lambda m: m.score or 0.0)
+    figures = {m.candidate: m.tok_s_by_batch() for m in eligible}
     runner_up = [m for m in eligible if m is not best]
     versus = ""
     if runner_up:
@@ -207,4 +257,4 @@ def choose(
         f"{best.candidate.label}: fastest that passes the quality gate or that the flags name "
         f"(sqrt(b1*b8) {best.score:.1f} tok/s{versus}; flags: {over.describe()})"
     )
-    return Choice(best.candidate, reason, tuple(lines), best.tok_s_by_batch())
+    return Choice(best.candidate, reason, tuple(lines), best.tok_s_by_batch(), figures=figures)

@@ -1,32 +1,40 @@
-"""The auto configuration's start-up probe: decode speed of each candidate on this machine.
+"""The auto configuration's probe: decode speed of each candidate on this machine.
 
 `auto_config(model, cache_root, overrides)` returns the `Choice` of `workers/engine/autoconfig.py`
 and logs it (one line per candidate, then the choice and why). The measurements come from a keyed
 record on disk (`disk_cache.read_record`), keyed by the CPU (model name, flags, core count),
 the model file's hash, torch's and tolk's versions, the C++ kernels' sources and the intra-op
 thread count; without one (the first start on a machine, or after an upgrade) the probe
-measures and writes it:
+measures (workers/engine/probe_runs.py) and writes it. What it measures, and why (issue #47:
+a probe that measured each candidate once, compiled only the eager winner, and kept a busy
+minute's ranking for good left a machine on a configuration 2.6x slower in service than one
+it never tried):
 
-- each weight format whose recorded quality gate passes (or that the flags name) is loaded
-  (from the dequantized checkpoint cache) and run eagerly: `DECODE_STEPS` greedy decode steps
-  of a fixed prompt at batch 1, 8, 16 and 32, the best of `ROUNDS`; decode-only steps timed from
-  the engine's step trace, as bench/engine.py does. Batch 1 and 8 rank the candidates; the
-  chosen one's speeds at 8, 16 and 32 pick the running batch's cap (workers/engine/batch_cap.py);
-- compiled decode is measured for the fastest eager format only (each compiled format costs a
-  compilation, ~1-3 min the first time on two cores): compiling speeds every format up alike
-  (fewer dispatches per op), so it does not change which format is fastest, only by how much.
-  Its graphs land in inductor's on-disk cache, where the worker's own engine finds them.
-A format the gate fails is not measured (its line says so). The probe costs seconds per
-eager format (four batch sizes) plus one compilation, once per machine and model (Gemma 3 270M
-on 2 AMD EPYC vCPUs: 14-49 s per format, 204 s with the compilation).
+- **every candidate it may serve**: each weight format whose recorded quality gate passes (or
+  that the flags name), eager and compiled (unless the flags rule compiling out). Compiling
+  does not speed every format alike (Gemma 3 270M on an AMD EPYC: float32 compiled slower than
+  eager, int8 compiled the fastest of all), so no format's compiled figure is inferred. The
+  eager and compiled engines of one format share the loaded weights; the compiled graphs land
+  in inductor's on-disk cache, where the worker's own engine finds them;
+- **interleaved and repeated**: after one warm-up run each, `ROUNDS` rounds run every candidate
+  once at batch 1 and 8 (the order rotated each round), and each figure is the **median** of
+  its rounds: a burst of other work lands on one round of every candidate, not on all rounds of
+  one. Batch 1 and 8 rank the candidates (`choose`); batch 16 and 32, measured once after the
+  rounds, pick the running batch's cap (workers/engine/batch_cap.py);
+- **the host's load recorded**: the share of the machine's CPU time other processes took while
+  it measured (`/proc/stat` less this process's own time, steal included). Above `BUSY_SHARE`
+  the record is written but marked busy: it serves until the tuner measures again on a quieter
+  host (workers/engine/tuner.py), instead of deciding the machine's speed for good.
+
+A format the gate fails is not measured (its line says so). The worker does not wait for this
+on a machine it has never seen: `resolve_worker_config(background=True)` returns the unmeasured
+choice (`unmeasured_choice`) and the tuner runs the probe beside the serving engine.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,7 @@ from workers.engine.autoconfig import (
     Overrides,
     choose,
     gate_for,
+    unmeasured_choice,
 )
 from workers.engine.disk_cache import (
     cpu_fingerprint,
@@ -48,14 +57,11 @@ from workers.engine.disk_cache import (
     tolk_version,
     write_record,
 )
+from workers.engine.probe_runs import ProbeRecord, measure_candidates
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = 2  # bump when what the probe measures changes (2: batch 16 and 32)
-DECODE_STEPS = 12  # new tokens per probe run
-ROUNDS = 2  # timed runs per batch size (after one warm-up run); the best counts
-BATCHES = (1, 8, 16, 32)  # 1 and 8 rank the candidates; 8-32 pick the batch cap
-PROBE_TEXT = "Your order has shipped and should arrive within three business days."
+PROBE_VERSION = 3  # bump when what the probe measures changes (3: every format compiled, rounds)
 
 
 def auto_config(
@@ -63,16 +69,32 @@ def auto_config(
     cache_root: Path,
     overrides: Overrides | None = None,
     model_name: str = "",
+    *,
+    force: bool = False,
 ) -> Choice:
-    """Measure (or read) the candidates' speeds, apply the gates and the flags, log the choice."""
+    """Measure (or read, unless `force`) the candidates' speeds, apply the gates and the flags,
+    log the choice. A busy record is used (and says so) but `pending_probe` is set."""
     over = overrides or Overrides()
+    gates = model_gates(model, model_name)
+    record = None if force else read_probe(model, cache_root, gates, over)
+    if record is None:
+        record = run_probe(model, cache_root, gates, over)
+    return choice_from(record, gates, over)
+
+
+def model_gates(model: str, model_name: str = "") -> dict[str, Gate]:
     name = model_name or Path(model).stem
-    gates = {w: gate_for(name, w) for w in FORMATS}
-    measurements = probe(model, cache_root, gates, over)
-    choice = choose(measurements, gates, over)
+    return {w: gate_for(name, w) for w in FORMATS}
+
+
+def choice_from(record: ProbeRecord, gates: dict[str, Gate], over: Overrides) -> Choice:
+    """The choice a probe record makes (logged); pending another probe when it was busy."""
+    choice = choose(record.measurements, gates, over)
     for line in choice.lines:
         log.info("auto config candidate %s", line)
-    log.info("auto config chose %s", choice.reason)
+    log.info("auto config chose %s; %s", choice.reason, record.describe())
+    if record.busy:
+        choice = replace(choice, pending_probe=True, reason=f"{choice.reason}; {record.describe()}")
     return choice
 
 
@@ -94,131 +116,80 @@ def probe_key(model: str) -> str:
     )
 
 
-def probe(
+def record_path(model: str, cache_root: Path) -> Path:
+    name = Path(model).name  # a preset's name may hold dots ("qwen2.5-coder-1.5b")
+    return cache_root / "probes" / f"auto-{name.removesuffix('.gguf')}.json"
+
+
+def read_probe(
     model: str, cache_root: Path, gates: dict[str, Gate], overrides: Overrides
-) -> list[Measurement]:
-    """Every candidate's measurement: from the record when its key matches, else measured."""
-    key = probe_key(model)
-    path = cache_root / "probes" / f"auto-{Path(model).stem}.json"
-    stored = read_record(path, key)
-    if stored is not None:
-        got = [_from_json(x) for x in stored]
-        if _covers(got, gates, overrides):
-            log.info("auto config: speeds read from %s (probe cached)", path)
-            return got
+) -> ProbeRecord | None:
+    """The stored record when its key matches and it measured what these gates and flags can
+    choose from; else None."""
+    path = record_path(model, cache_root)
+    stored = read_record(path, probe_key(model))
+    if not isinstance(stored, dict):
+        return None
+    record = ProbeRecord(
+        tuple(_from_json(x) for x in stored.get("measurements", ())),
+        float(stored.get("others_share", 0.0)),
+        float(stored.get("measured_at", 0.0)),
+    )
+    if not _covers(list(record.measurements), gates, overrides):
+        return None
+    log.info("auto config: speeds read from %s (probe cached)", path)
+    return record
+
+
+def run_probe(
+    model: str, cache_root: Path, gates: dict[str, Gate], overrides: Overrides
+) -> ProbeRecord:
+    """Measure every candidate (module notes) and store the record."""
+    path = record_path(model, cache_root)
     log.info(
         "auto config: probing decode speed on this machine (first start with this CPU, model "
-        "and version; the result is kept in %s)",
+        "and version, or measured again; the result is kept in %s)",
         path,
     )
-    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > cpus:
-        log.warning(
-            "auto config: the machine is busy (load %.1f on %d CPUs): the probe measures that "
-            "too; its ranking is kept in %s until the key changes (delete it to measure again)",
-            load, cpus, path,
-        )  # fmt: skip
-    measured = _measure_all(model, gates, overrides, cache_root)
-    write_record(path, key, [_to_json(m) for m in measured])
-    return measured
+    key = probe_key(model)
+    wanted = _wanted(gates, overrides)
+    skipped = []
+    for weights in FORMATS:  # the formats it will not measure, and why
+        if not any(c.weights == weights for c in wanted):
+            asked_other = overrides.weights not in (None, weights)
+            why = "another format asked for" if asked_other else "gate fails"
+            skipped.append(Measurement(Candidate(weights, False), None, None, why))
+    record = measure_candidates(model, wanted, cache_root, skipped)
+    value = {
+        "measurements": [_to_json(m) for m in record.measurements],
+        "others_share": record.others_share,
+        "measured_at": record.measured_at,
+    }
+    write_record(path, key, value)
+    if record.busy:
+        log.warning("auto config: the probe ran on a busy host: %s", record.describe())
+    return record
 
 
 def _covers(got: list[Measurement], gates: dict[str, Gate], over: Overrides) -> bool:
     """Whether a stored probe measured everything these gates and flags can choose from: every
-    eligible format eagerly, and compiled decode unless the flags rule it out (a format that
+    eligible format eagerly, and compiled too unless the flags rule it out (a candidate that
     could not run counts as measured: it would fail again)."""
     tried = {
         m.candidate
         for m in got
         if m.score is not None or m.note.startswith(("unavailable", "failed"))
     }
-    wanted = [w for w in FORMATS if over.weights in (None, w) and (gates[w].passed or over.weights)]
-    if not all(Candidate(w, False) in tried for w in wanted):
-        return False
-    return over.compile_decode is False or any(c.compile_decode for c in tried)
+    return all(c in tried for c in _wanted(gates, over))
 
 
-def _measure_all(
-    model: str, gates: dict[str, Gate], over: Overrides, root: Path
-) -> list[Measurement]:
-    out: list[Measurement] = []
-    for weights in FORMATS:
-        eager = Candidate(weights, compile_decode=False)
-        if over.weights not in (None, weights):
-            out.append(Measurement(eager, None, None, "another format asked for"))
-            continue
-        if not gates[weights].passed and over.weights is None:
-            out.append(Measurement(eager, None, None, "gate fails"))
-            continue
-        out.append(_measure(model, eager, root))
-    eager_done = [m for m in out if m.score is not None]
-    if over.compile_decode is not False and eager_done:
-        best = max(eager_done, key=lambda m: m.score or 0.0)
-        out.append(_measure(model, Candidate(best.candidate.weights, compile_decode=True), root))
-    if over.compile_decode is True and not eager_done:
-        out.append(Measurement(Candidate("float32", True), None, None, "no format measured"))
-    return out
-
-
-def _measure(model: str, candidate: Candidate, root: Path) -> Measurement:
-    """Load `model` as `candidate`, time decode-only steps at each batch size."""
-    import torch
-
-    from workers.engine.engine import Engine, EngineConfig
-
-    t0 = time.perf_counter()
-    config = EngineConfig(
-        model=model,
-        dtype=candidate.dtype,
-        quantize=candidate.quantize,
-        compile_decode=candidate.compile_decode,
-        # the pool and batch cap of the worker's own engine (EngineConfig's defaults): the
-        # compiled graphs are specialized to the KV pools' sizes, so a probe with smaller pools
-        # compiled graphs the worker could not reuse and its first start compiled twice
-        # (~5 min each on two cores, 2026-12-02)
-        cache_dir=str(root),
-    )
-    try:
-        engine = Engine.from_config(config)
-    except (ImportError, NotImplementedError, RuntimeError, ValueError) as exc:
-        log.warning("auto config: %s unavailable: %s", candidate.label, exc)
-        return Measurement(candidate, None, None, f"unavailable: {type(exc).__name__}")
-    speeds: dict[int, float] = {}
-    try:
-        with torch.inference_mode():
-            for batch in BATCHES:
-                runs = [_decode_tok_s(engine, batch) for _ in range(ROUNDS + 1)][1:]
-                speeds[batch] = max(runs)
-    except RuntimeError as exc:
-        log.warning("auto config: %s failed to decode: %s", candidate.label, exc)
-        return Measurement(candidate, None, None, f"failed: {type(exc).__name__}")
-    finally:
-        del engine
-        gc.collect()
-    log.info(
-        "auto config: measured %s in %.1fs: %s",
-        candidate.label,
-        time.perf_counter() - t0,
-        ", ".join(f"b{b} {s:.1f} tok/s" for b, s in speeds.items()),
-    )
-    larger = tuple((b, speeds[b]) for b in BATCHES if b > 8)
-    return Measurement(candidate, speeds[1], speeds[8], larger=larger)
-
-
-def _decode_tok_s(engine: Any, batch: int) -> float:
-    """Decode tokens/s over the steps in which all `batch` sequences decoded."""
-    reqs = [
-        engine.translation_request(
-            PROBE_TEXT, "en", "de", max_new_tokens=DECODE_STEPS, ignore_eos=True
-        )
-        for _ in range(batch)
+def _wanted(gates: dict[str, Gate], over: Overrides) -> list[Candidate]:
+    """The candidates a probe measures for these gates and flags, format by format."""
+    formats = [
+        w for w in FORMATS if over.weights in (None, w) and (gates[w].passed or over.weights)
     ]
-    engine.step_trace = []
-    engine.generate(reqs)
-    trace, engine.step_trace = engine.step_trace, None
-    full = [s for s in trace if s.kind == "decode" and s.num_seqs == batch]
-    seconds = sum(s.seconds for s in full)
-    return sum(s.num_seqs for s in full) / seconds if seconds > 0 else 0.0
+    compiled = (False, True) if over.compile_decode is None else (over.compile_decode,)
+    return [Candidate(w, c) for w in formats for c in compiled]
 
 
 def _to_json(m: Measurement) -> dict[str, Any]:
@@ -259,15 +230,28 @@ def resolve_worker_config(
     compile_decode: bool | None,
     auto: bool,
     cache_root: Path,
+    background: bool = False,
 ) -> Choice:
     """The worker's weights and compile flag: both flags given -> them; else on the CPU with
     `auto` -> the probe's choice within the flags (with its speeds per batch size, for the
-    batch cap); else the flags over eager float32 (no speeds)."""
+    batch cap); else the flags over eager float32 (no speeds).
+
+    `background`: without a stored probe, do not measure now: return the unmeasured choice
+    (`pending_probe` set) for the tuner to probe beside the serving engine."""
     if quantize is not None and quantize not in QUANTIZE_FLAGS:
         raise ValueError(f"--quantize {quantize!r}: one of {', '.join(QUANTIZE_FLAGS)}")
     weights = QUANTIZE_FLAGS[quantize] if quantize is not None else None
     if auto and device == "cpu" and (weights is None or compile_decode is None):
-        return auto_config(model, cache_root, Overrides(weights, compile_decode), model)
+        over = Overrides(weights, compile_decode)
+        if not background:
+            return auto_config(model, cache_root, over, model)
+        gates = model_gates(model, model)
+        record = read_probe(model, cache_root, gates, over)
+        if record is not None:
+            return choice_from(record, gates, over)
+        choice = unmeasured_choice(gates, over)
+        log.info("auto config chose %s", choice.reason)
+        return choice
     chosen = Candidate(weights or "float32", bool(compile_decode))
     log.info("worker config %s (from the flags%s)", chosen.label, "" if auto else ", --no-auto")
     return Choice(chosen, "from the flags", ())

@@ -42,6 +42,8 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -77,6 +79,9 @@ from workers.engine.types import (
 )
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]  # the config and stats: engine_config.py
+
+if TYPE_CHECKING:
+    from workers.engine.autoconfig import ConfigReport
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +175,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         # Read by the worker's probes (workers/health.py), written by one thread each:
         self.loop_heartbeat: float | None = None  # monotonic time the loop last came round
         self.warmed_languages: set[str] = set()  # languages whose prompt prefix warm() cached
+        # written by the tuner (workers/engine/tuner.py), read by /readyz and the metrics
+        self.config_report: ConfigReport | None = None
+        self._pending_switch: tuple[Engine, threading.Event] | None = None
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
@@ -319,6 +327,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         use_threads(n_threads)
         while not self._stop.is_set():
             self.loop_heartbeat = time.monotonic()  # a step that never returns stops this
+            self._switch_when_idle()
             if not self._drain_inbox() and not self.scheduler.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -371,11 +380,52 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         self.generate(reqs)
         self.warmed_languages.update(languages)
 
+    # -- a change of model side (the tuner's) ----------------------------------------------
+    MODEL_SIDE = (
+        "prepared", "loaded", "model", "lm_screen", "sampler", "device", "kv_dtype",
+        "kv_pools", "kv", "compiled", "graphs", "drafter", "warmed_languages",
+    )  # fmt: skip
+
+    def switch_to(self, other: Engine) -> threading.Event:
+        """Serve from now on with `other`'s model side (`MODEL_SIDE`: its weights, KV pools and
+        prefix cache, compiled graphs, drafter; `other` built from the same model file, warmed,
+        never started) and its config; the scheduler, queue, handles and statistics stay.
+
+        Any thread. The change happens on the engine's thread at the first step boundary with
+        no sequence running or preempted: meanwhile the scheduler holds the queue's requests
+        back (`Scheduler.hold_newcomers`), so no request is dropped and none is computed by
+        two models (its KV cache would mix them). The returned event is set once switched."""
+        if other.config.model != self.config.model:
+            raise ValueError(f"switch_to: {other.config.model!r} is not {self.config.model!r}")
+        done = threading.Event()
+        self._pending_switch = (other, done)
+        self._wake.set()
+        return done
+
+    def _switch_when_idle(self) -> None:
+        pending = self._pending_switch
+        if pending is None:
+            return
+        sched = self.scheduler
+        sched.hold_newcomers = True
+        if sched.running or sched.preempted:
+            return  # they finish on the model that started them
+        other, done = pending
+        for name in self.MODEL_SIDE:
+            setattr(self, name, getattr(other, name))
+        self.config = other.config
+        sched.kv = self.kv
+        sched.config = replace(sched.config, max_num_seqs=other.config.max_num_seqs)
+        self._pending_switch = None
+        sched.hold_newcomers = False
+        done.set()
+
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[GenerationResult]:
         started = time.perf_counter()
         self._drain_inbox()
+        self._switch_when_idle()
         out = self.scheduler.schedule()
         sampled: dict[str, list[int]] = {}
         if out.chunks:
@@ -387,6 +437,9 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             stats.steps += 1
             stats.steps_by_kind[kind] = stats.steps_by_kind.get(kind, 0) + 1
             stats.seconds_by_kind[kind] = stats.seconds_by_kind.get(kind, 0.0) + seconds
+            if kind == "decode" and not any(c.draft for c in out.chunks):
+                n, total = stats.decode_by_batch.get(len(out.chunks), (0, 0.0))
+                stats.decode_by_batch[len(out.chunks)] = (n + 1, total + seconds)
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
         self._account(out, sampled)
         if self.drafter is not None:  # the next step's drafts, from the tokens known now

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from workers.engine.autoconfig import ConfigReport
 from workers.engine.engine_config import EngineStats
 from workers.engine.kv_cache import KVCacheManager
 from workers.engine.scheduler import Scheduler
@@ -43,6 +44,8 @@ class EngineSnapshot:
     waiting: int  # requests waiting for admission (the queue plus preempted ones)
     # kind ("decode", "mixed", "prefill") -> (model steps, seconds in them), cumulative
     steps_by_kind: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    # the configuration in use and why, when a tuner reports it (workers/engine/tuner.py)
+    config: ConfigReport | None = None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -92,4 +95,5 @@ def snapshot_engine(engine: CountingEngine) -> EngineSnapshot:
             kind: (n, stats.seconds_by_kind.get(kind, 0.0))
             for kind, n in list(stats.steps_by_kind.items())  # a copy: the engine thread adds
         },
+        config=getattr(engine, "config_report", None),
     )

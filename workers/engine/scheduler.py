@@ -152,6 +152,9 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self.preempted: deque[SequenceState] = deque()  # resumed before any newcomer
         self._cancelled: set[str] = set()
+        # True while the engine waits to change its model (Engine.switch_to): preempted
+        # sequences still resume, the queue's requests wait (none runs on two models)
+        self.hold_newcomers = False
 
     # -- intake ---------------------------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
@@ -296,6 +299,8 @@ class Scheduler:
         while True:
             if self.preempted:
                 return self.preempted.popleft(), None
+            if self.hold_newcomers:
+                return None
             request = self.queue.peek()
             if request is None:
                 return None

@@ -212,6 +212,10 @@ class ServedEngine(EngineWrapper):
     def loop_heartbeat(self) -> Any:
         return getattr(self.base, "loop_heartbeat", None)
 
+    @property
+    def config_report(self) -> Any:
+        return getattr(self.base, "config_report", None)
+
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         return self.inner.submit_translation(request)
 

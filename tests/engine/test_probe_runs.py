@@ -1,0 +1,140 @@
+"""The probe's measurements (workers/engine/probe_runs.py) and its record's use at start-up
+(workers/engine/autoprobe.py): interleaved rounds with medians, the host's load, a busy record
+measured again, and a worker that never waits for a probe."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers.engine import probe_runs
+from workers.engine.autoconfig import Candidate, Gate, Measurement, Overrides, unmeasured_choice
+from workers.engine.autoprobe import _to_json, probe_key, record_path, resolve_worker_config
+from workers.engine.disk_cache import write_record
+from workers.engine.probe_runs import ProbeRecord, _measure_rounds, _others_share
+
+F32 = Candidate("float32", False)
+F32C = Candidate("float32", True)
+I8 = Candidate("int8", False)
+I8C = Candidate("int8", True)
+
+
+def test_rounds_interleave_the_candidates_and_keep_the_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every round runs every candidate (rotated order); one disturbed round does not move a
+    candidate's figure (the median), and batch 16 / 32 are measured once, after the rounds."""
+    calls: list[tuple[str, int]] = []
+    base = {"f32": 40.0, "i8": 60.0}
+    disturbed = {("f32", 1): 1}  # the second timed b1 run of f32 lands in a burst of other work
+
+    def fake_decode(engine: Any, batch: int) -> float:
+        calls.append((engine, batch))
+        n = sum(1 for c in calls if c == (engine, batch)) - 2  # 0: warm-up, 1..: timed rounds
+        slow = disturbed.get((engine, batch)) == n
+        return base[engine] * batch**0.5 * (0.3 if slow else 1.0)
+
+    monkeypatch.setattr(probe_runs, "_decode_tok_s", fake_decode)
+    monkeypatch.setattr(probe_runs, "ROUNDS", 3)
+    got = {m.candidate: m for m in _measure_rounds({F32: "f32", I8: "i8"})}
+    assert got[F32].tok_s_b1 == pytest.approx(40.0)  # the median ignores the disturbed round
+    assert got[I8].tok_s_b8 == pytest.approx(60.0 * 8**0.5)
+    assert dict(got[I8].larger) == pytest.approx({16: 240.0, 32: 60.0 * 32**0.5})
+    timed = [c for c in calls if c[1] == 1][2:]  # after each one's warm-up
+    assert [e for e, _ in timed] == ["f32", "i8", "i8", "f32", "f32", "i8"]  # rotated rounds
+    assert calls[-4:] == [("f32", 16), ("f32", 32), ("i8", 16), ("i8", 32)]
+
+
+def test_a_candidate_that_fails_to_decode_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_decode(engine: Any, batch: int) -> float:
+        if engine == "broken":
+            raise RuntimeError("out of memory")
+        return 10.0
+
+    monkeypatch.setattr(probe_runs, "_decode_tok_s", fake_decode)
+    got = {m.candidate: m for m in _measure_rounds({F32: "ok", I8C: "broken"})}
+    assert got[F32].score == pytest.approx(10.0)
+    assert got[I8C].score is None and got[I8C].note == "failed: RuntimeError"
+
+
+def test_other_processes_share_of_the_cpu() -> None:
+    cpus = __import__("os").cpu_count() or 1
+    # 10 s of wall time; the machine was busy 10 * cpus * 0.5 CPU-seconds, 1 s of them ours
+    before = (0.0, 100.0, 5.0)
+    after = (10.0, 100.0 + 5.0 * cpus, 6.0)
+    assert _others_share(before, after) == pytest.approx((5.0 * cpus - 1.0) / (10.0 * cpus))
+    assert _others_share(before, (10.0, 101.0, 6.0)) == 0.0  # only us
+    assert ProbeRecord((), 0.6, 0.0).busy and not ProbeRecord((), 0.1, 0.0).busy
+    sample = probe_runs._cpu_sample()
+    assert sample is None or (sample[1] > 0 and sample[2] > 0)
+
+
+GATES_I8 = {"float32": Gate(True, "ref"), "bfloat16": Gate(False, "x"),
+            "int8": Gate(True, "ok"), "int4": Gate(False, "x")}  # fmt: skip
+
+
+def test_the_unmeasured_choice_is_int8_eager_where_its_gate_passes() -> None:
+    got = unmeasured_choice(GATES_I8)
+    assert got.candidate == I8 and got.pending_probe and "without measuring" in got.reason
+    no_int8 = {**GATES_I8, "int8": Gate(False, "chrF -3")}
+    assert unmeasured_choice(no_int8).candidate == F32
+    flags = unmeasured_choice(GATES_I8, Overrides(weights="float32", compile_decode=True))
+    assert flags.candidate == F32C
+
+
+def _store(model: str, root: Path, others_share: float) -> None:
+    measurements = [
+        Measurement(F32, 40.0, 200.0),
+        Measurement(F32C, 35.0, 190.0),
+        Measurement(Candidate("bfloat16", False), None, None, "gate fails"),
+        Measurement(I8, 50.0, 220.0),
+        Measurement(I8C, 90.0, 300.0, larger=((16, 320.0), (32, 330.0))),
+        Measurement(Candidate("int4", False), None, None, "gate fails"),
+    ]
+    value = {
+        "measurements": [_to_json(m) for m in measurements],
+        "others_share": others_share,
+        "measured_at": time.time(),
+    }
+    write_record(record_path(model, root), probe_key(model), value)
+
+
+def test_the_worker_starts_at_once_and_a_busy_record_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`background=True` (the worker): no record -> the unmeasured choice, nothing measured;
+    a quiet record -> its choice; a busy record -> its choice, pending another probe."""
+    import workers.engine.autoprobe as autoprobe
+
+    monkeypatch.setattr(autoprobe, "model_gates", lambda model, name="": GATES_I8)
+    monkeypatch.setattr(autoprobe, "measure_candidates", lambda *a, **k: pytest.fail("measured"))
+    model = str(tmp_path / "model.gguf")
+    Path(model).write_bytes(b"GGUF")
+    kw: dict[str, Any] = dict(device="cpu", quantize=None, compile_decode=None, auto=True,
+                              cache_root=tmp_path, background=True)  # fmt: skip
+    first = resolve_worker_config(model, **kw)
+    assert first.candidate == I8 and first.pending_probe and not first.figures
+    _store(model, tmp_path, others_share=0.05)
+    quiet = resolve_worker_config(model, **kw)
+    assert quiet.candidate == I8C and not quiet.pending_probe
+    assert quiet.figures[F32C] == {1: 35.0, 8: 190.0}  # every candidate's, for the tuner
+    assert dict(quiet.tok_s_by_batch) == {1: 90.0, 8: 300.0, 16: 320.0, 32: 330.0}
+    _store(model, tmp_path, others_share=0.6)
+    busy = resolve_worker_config(model, **kw)
+    assert busy.candidate == I8C and busy.pending_probe and "busy" in busy.reason
+    assert record_path("qwen2.5-coder-1.5b", tmp_path).name == "auto-qwen2.5-coder-1.5b.json"
+
+
+def test_candidates_are_measured_format_by_format_when_all_would_not_fit() -> None:
+    from workers.engine.probe_runs import groups_that_fit
+
+    wanted = [F32, F32C, I8, I8C]
+    gib = 2**30
+    # Gemma 3 270M: a 1.1 GB checkpoint on a machine with 20 GB free: all at once
+    assert groups_that_fit(wanted, int(1.1 * gib), 20 * gib) == [wanted]
+    # a 1.5B model: 6.2 GB float32: float32 (2x) + int8 + loading = 22 GB > 60 % of 20 GB
+    assert groups_that_fit(wanted, int(6.2 * gib), 20 * gib) == [[F32, F32C], [I8, I8C]]
+    assert groups_that_fit(wanted, int(6.2 * gib), None) == [wanted]  # unknown: as before
