@@ -1,7 +1,7 @@
 """First starts on a machine never seen: where the default worker ends up, and how fast it serves.
 
-    python -m bench.first_start --starts 5 --hog-s 60 --rate 1 --duration 60 \\
-        --explicit "int8,int8+compiled,float32+compiled" --out bench/out/first_start.json
+    python -m bench.first_start --starts 5 --hog-s 60 --rates 1,2 --duration 60 \\
+        --explicit "int8,int8+compiled,float32+compiled" --anchor --out bench/out/first_start.json
 
 Issue #47's check of the auto configuration (workers/engine/tuner.py, autoprobe.py). In one run:
 
@@ -9,12 +9,15 @@ Issue #47's check of the auto configuration (workers/engine/tuner.py, autoprobe.
    from an **empty cache directory** (TOLK_CACHE_DIR: nothing converted, compiled or probed)
    with a **busy loop on one core for the first `--hog-s` seconds** (`bench.serving_kafka.
    start_hog`, other work on the host while it starts). Each is measured by the serving bench
-   (`bench.serving`, open loop at `--rate` req/s for `--duration` s) once its tuner settled:
-   the seconds to consuming, to the settled configuration, which one, and its P50 / P99;
+   (`bench.serving`, open loop at each of `--rates` req/s for `--duration` s) once its tuner
+   settled: the seconds to consuming, to the settled configuration, which one, its P50 / P99;
 2. the **explicit configurations** (`--explicit`, each as `tolk worker --quantize W
    [--compile-decode]`, the cache warm) under the same load, one start each;
-3. per first start: its P50 over the best explicit configuration's P50 (issue #47's Done-when
-   1: within 1.10).
+3. with `--anchor`, llama.cpp's llama-server (`llama-http`, bench/build_llama_server.sh) on the
+   same GGUF and load;
+4. per first start and rate: its P50 over the best explicit configuration's (issue #47's
+   Done-when 1: within 1.10) and over llama-server's (Done-when 2: P50 <= 0.8x, P99 of OK
+   replies <= 1.0x).
 
 JSON on stdout (and `--out`). Needs the local stack. A first start compiles every gated
 format's decode graphs (minutes each on two cores): the run takes ~10 min per start.
@@ -44,19 +47,29 @@ def serving_args(args: argparse.Namespace, *extra: str) -> argparse.Namespace:
     from bench import serving
 
     argv = [
-        "--systems", "tolk", "--rates", str(args.rate), "--mix", args.mix,
-        "--duration", str(args.duration), "--model", args.model, *extra,
+        "--rates", args.rates, "--mix", args.mix, "--duration", str(args.duration),
+        "--model", args.model, "--repeats", "1", *extra,
     ]  # fmt: skip
     ns = serving.parse_args(argv)
     ns.argv = argv
     return ns
 
 
-def p50(result: JSON) -> tuple[float | None, float | None]:
-    """(P50, P99 of OK replies) over all languages of a one-point serving result."""
-    (row,) = result["runs"]
-    figures = row["languages"]["all"]
-    return figures.get("p50_s"), figures.get("p99_ok_s")
+def by_rate(result: JSON) -> dict[str, JSON]:
+    """{rate: {"p50_s", "p99_ok_s"}} over all languages of a serving result's runs."""
+    out = {}
+    for row in result["runs"]:
+        figures = row["languages"]["all"]
+        out[f"{row['total_rate']:g}"] = {
+            "p50_s": figures.get("p50_s"),
+            "p99_ok_s": figures.get("p99_ok_s"),
+            "statuses": figures.get("statuses"),
+        }
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
 
 
 def run(args: argparse.Namespace) -> JSON:
@@ -65,34 +78,45 @@ def run(args: argparse.Namespace) -> JSON:
     starts: list[JSON] = []
     for i in range(args.starts):
         ns = serving_args(
-            args, "--repeats", "1", "--fresh-cache", "--hog-s", str(args.hog_s),
+            args, "--systems", "tolk", "--fresh-cache", "--hog-s", str(args.hog_s),
             "--worker-args", "--no-cache", "--seed", str(i),
         )  # fmt: skip
         result = serving.run(ns)
         (info,) = result["starts"]
-        p50_s, p99_s = p50(result)
         row = {
             "start": i,
             "start_to_consuming_s": info.get("start_to_assigned_s"),
             "consuming_to_settled_s": info.get("assigned_to_tuned_s"),
             "config": info.get("tuned_config"),
-            "p50_s": p50_s,
-            "p99_ok_s": p99_s,
+            "rates": by_rate(result),
         }
         starts.append(row)
         print(f"[first_start] {row}", file=sys.stderr, flush=True)
     explicit: dict[str, JSON] = {}
     for label in parse_csv(args.explicit):
-        ns = serving_args(args, "--repeats", "1", "--worker-args", f"--no-cache {flags_of(label)}")
-        p50_s, p99_s = p50(serving.run(ns))
-        explicit[label] = {"p50_s": p50_s, "p99_ok_s": p99_s}
+        flags = f"--no-cache {flags_of(label)}"
+        ns = serving_args(args, "--systems", "tolk", "--worker-args", flags)
+        explicit[label] = by_rate(serving.run(ns))
         print(f"[first_start] explicit {label}: {explicit[label]}", file=sys.stderr, flush=True)
-    served = {k: v["p50_s"] for k, v in explicit.items() if v["p50_s"] is not None}
-    best = min(served, key=lambda k: served[k]) if served else None
+    anchor = (
+        by_rate(serving.run(serving_args(args, "--systems", "llama-http"))) if args.anchor else {}
+    )
+    best: dict[str, str] = {}
+    for rate in parse_csv(args.rates):
+        rate = f"{float(rate):g}"
+        served = {k: v[rate]["p50_s"] for k, v in explicit.items() if v[rate]["p50_s"] is not None}
+        if served:
+            best[rate] = min(served, key=lambda k: served[k])
     for row in starts:
-        if best is not None and row["p50_s"] is not None:
-            row["p50_over_best"] = round(row["p50_s"] / served[best], 3)
-            row["within"] = row["p50_over_best"] <= WITHIN
+        for rate, figures in row["rates"].items():
+            if rate in best:
+                figures["p50_over_best"] = ratio(
+                    figures["p50_s"], explicit[best[rate]][rate]["p50_s"]
+                )
+                figures["within"] = (figures["p50_over_best"] or 99) <= WITHIN
+            if rate in anchor:
+                figures["p50_over_llama"] = ratio(figures["p50_s"], anchor[rate]["p50_s"])
+                figures["p99_ok_over_llama"] = ratio(figures["p99_ok_s"], anchor[rate]["p99_ok_s"])
     return {
         "bench": "first_start",
         "command": "python -m bench.first_start " + " ".join(args.argv),
@@ -101,14 +125,19 @@ def run(args: argparse.Namespace) -> JSON:
         "definitions": {
             "start_to_consuming_s": "process start -> partition assignment (serving begins)",
             "consuming_to_settled_s": "-> the tuner moved to the probe's choice or kept its own",
-            "p50_s": f"all languages, open loop at {args.rate:g} req/s for {args.duration:g} s, "
-            "measured once settled",
+            "p50_s": f"all languages, open loop for {args.duration:g} s a rate, measured once "
+            "settled",
             "p50_over_best": f"over the fastest explicit configuration's P50 (pass <= {WITHIN})",
+            "p50_over_llama": "over llama-server's P50 at the same rate (issue #47: <= 0.8)",
+            "p99_ok_over_llama": "P99 of OK replies over llama-server's (issue #47: <= 1.0)",
         },
         "starts": starts,
         "explicit": explicit,
         "best_explicit": best,
-        "all_within": all(r.get("within") for r in starts) if starts else None,
+        "llama_http": anchor,
+        "all_within": all(f.get("within") for r in starts for f in r["rates"].values())
+        if starts
+        else None,
     }
 
 
@@ -116,11 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--starts", type=int, default=5)
     p.add_argument("--hog-s", type=float, default=60.0, help="busy loop on one core, first N s")
-    p.add_argument("--rate", type=float, default=1.0, help="total requests/s")
+    p.add_argument("--rates", default="1,2", help="total requests/s, one point each")
     p.add_argument("--mix", default="de=0.5,en=0.5")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--explicit", default="int8,int8+compiled,float32,float32+compiled")
+    p.add_argument("--anchor", action="store_true", help="llama-server under the same load")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

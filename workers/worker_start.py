@@ -134,7 +134,6 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     )  # fmt: skip
     del loaded  # the engine holds it; a switch of configuration must be able to free it
     final = selection.config  # the translation cache keeps each weight format's answers apart
-    dtype_part = f",dtype={final.dtype}" if final.dtype else ""
     # the stages and their order (which one sees which request): workers/serving/pipeline.py
     served = build_served_engine(
         engine,
@@ -146,7 +145,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
             max_new_tokens=max_new_tokens,
             protect_spans=plan.protect_spans,
             cache=settings.cache_enabled if plan.cache is None else plan.cache,
-            cache_variant=f"quantize={final.quantize or ''}{dtype_part}",
+            cache_variant=cache_variant(final),
             drill_latency=plan.drill_latency,
             drill_errors=plan.drill_errors,
             context=plan.context,
@@ -154,18 +153,35 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     )
     tuner = None
     if plan.auto and plan.resolved_device == "cpu" and (choice.pending_probe or choice.figures):
-        tuner = _start_tuner(engine.engine, choice, settings, plan, root, tightest_slo)
+        tuner = _start_tuner(engine.engine, served, choice, settings, plan, root, tightest_slo)
     try:
-        return _serve(settings, served)
+        code = _serve(settings, served)
     finally:
         if tuner is not None:
-            tuner.stop()
+            tuner.stop(timeout=1.0)
+    if tuner is not None and tuner.busy:  # compiling on its thread: as exit_past_compiler says
+        log.info("the tuner is still probing at exit: exiting without waiting for it")
+        _exit_now(code)
+    return code
+
+
+def cache_variant(config: Any) -> str:
+    """The translation cache's runtime variant of an engine config: its weight format."""
+    dtype_part = f",dtype={config.dtype}" if config.dtype else ""
+    return f"quantize={config.quantize or ''}{dtype_part}"
 
 
 def _start_tuner(
-    engine: Any, choice: Any, settings: Any, plan: WorkerPlan, root: Path, slo: float | None
+    engine: Any,
+    served: Any,
+    choice: Any,
+    settings: Any,
+    plan: WorkerPlan,
+    root: Path,
+    slo: float | None,
 ) -> Any:
-    """The background probe and online check of the served configuration (tuner.py)."""
+    """The background probe and online check of the served configuration (tuner.py); after a
+    switch the cache keys answers by the new weight format."""
     from dataclasses import replace
 
     from workers.engine.autoconfig import Overrides
@@ -189,7 +205,10 @@ def _start_tuner(
         )  # fmt: skip
         return Engine.from_config(config)
 
-    tuner = ConfigTuner(engine, choice, probe=probe, build=build)
+    def switched(old: str, new: str, why: str) -> None:
+        served.set_cache_variant(cache_variant(engine.config))
+
+    tuner = ConfigTuner(engine, choice, probe=probe, build=build, on_switch=switched)
     tuner.start()
     return tuner
 
@@ -252,6 +271,10 @@ def exit_past_compiler(code: int) -> None:
     if not background_compile_running():
         return
     log.info("decode graphs still compiling at exit: exiting without waiting for the compiler")
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

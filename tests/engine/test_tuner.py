@@ -265,3 +265,17 @@ def test_a_scripted_slow_configuration_is_switched_with_no_request_lost(smollm2:
     assert all(len(models) == 1 for models in models_by_request.values())
     after = [rid for rid in ids if models_by_request[rid] == {id(fast.model)}]
     assert after, "no request was served after the switch"
+
+
+def test_the_tuner_says_when_it_is_busy_so_the_worker_does_not_wait_at_exit() -> None:
+    engine, clock = FakeEngine(), Clock()
+    seen: list[bool] = []
+
+    def probe() -> Choice:
+        seen.append(tuner.busy)
+        return choice(F32, FIGURES)
+
+    tuner = ConfigTuner(engine, choice(F32, FIGURES), probe=probe, build=lambda c: c, clock=clock)
+    assert not tuner.busy
+    tuner.reprobe("test")
+    assert seen == [True] and not tuner.busy

@@ -291,3 +291,23 @@ def test_the_scan_catches_each_kind_of_construction(tmp_path: Path) -> None:
         "bad.py:3 CachingEngine", "bad.py:4 FaithfulEngine", "bad.py:5 with_translation_cache",
         "bad.py:6 EngineWrapper", "bad.py:7 prompt_history",
     ]  # fmt: skip
+
+
+def test_a_switch_of_weight_format_rekeys_the_cache_and_keeps_the_arm() -> None:
+    """After the tuner moved the engine to another weight format (workers/engine/tuner.py), the
+    cache keys new answers by it: an int8 answer is never served as a float32 one."""
+    from workers.worker_start import cache_variant
+
+    options = ServingOptions(
+        faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
+        cache_variant=cache_variant(SimpleNamespace(quantize="int8", dtype=None)),
+    )  # fmt: skip
+    served = build_served_engine(FakeEngine(), Settings(arm="b"), options)
+    before = served.stage("cache").fingerprint
+    assert before.endswith("|arm=b,quantize=int8")
+    served.set_cache_variant(cache_variant(SimpleNamespace(quantize=None, dtype="bfloat16")))
+    after = served.stage("cache").fingerprint
+    assert after == before.replace("quantize=int8", "quantize=,dtype=bfloat16")
+    build_served_engine(FakeEngine(), Settings(), ServingOptions(cache=False)).set_cache_variant(
+        "quantize=int8"
+    )  # no cache stage: nothing to rekey

@@ -142,6 +142,7 @@ class ConfigTuner:
         self._served: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.busy = False  # probing or building now (torch work on this thread)
         self._publish(probing=False)
 
     # -- the thread ------------------------------------------------------------------------
@@ -213,6 +214,13 @@ class ConfigTuner:
 
     def reprobe(self, why: str) -> None:
         """Measure again (this thread), then move to the new choice if it differs."""
+        self.busy = True
+        try:
+            self._reprobe(why)
+        finally:
+            self.busy = False
+
+    def _reprobe(self, why: str) -> None:
         self._last_reprobe = self.clock()
         log.info("config tuner: probing (%s)", why)
         self._publish(probing=True)

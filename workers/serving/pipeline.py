@@ -219,6 +219,17 @@ class ServedEngine(EngineWrapper):
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         return self.inner.submit_translation(request)
 
+    def set_cache_variant(self, variant: str) -> None:
+        """Key the cache's answers from now on by `variant` (the weight format, e.g.
+        "quantize=int8"), after the engine moved to another configuration without a restart
+        (workers/engine/tuner.py): the fingerprint's runtime variant replaced, the arm kept."""
+        cache = self.stages.get("cache")
+        if cache is None:
+            return
+        head, _, old = cache.fingerprint.rpartition("|")  # type: ignore[attr-defined]
+        parts = [v for v in old.split(",") if v.startswith("arm=")] + ([variant] if variant else [])
+        cache.fingerprint = f"{head}|{','.join(parts)}"  # type: ignore[attr-defined]
+
     def bind_metrics(self, metrics: Any) -> None:
         """Every stage counts in the worker's metrics from now on."""
         for stage in self.stages.values():
