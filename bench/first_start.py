@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> JSON:
     for i in range(args.starts):
         ns = serving_args(
             args, "--systems", "tolk", "--fresh-cache", "--hog-s", str(args.hog_s),
-            "--worker-args", "--no-cache", "--seed", str(i),
+            "--worker-args=--no-cache", "--seed", str(i),
         )  # fmt: skip
         result = serving.run(ns)
         (info,) = result["starts"]
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> JSON:
     explicit: dict[str, JSON] = {}
     for label in parse_csv(args.explicit):
         flags = f"--no-cache {flags_of(label)}"
-        ns = serving_args(args, "--systems", "tolk", "--worker-args", flags)
+        ns = serving_args(args, "--systems", "tolk", f"--worker-args={flags}")
         explicit[label] = by_rate(serving.run(ns))
         print(f"[first_start] explicit {label}: {explicit[label]}", file=sys.stderr, flush=True)
     anchor = (
