@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
+from typing import Any
 
 __all__ = ["trim_heap"]
 
@@ -25,11 +27,16 @@ def trim_heap() -> bool:
     """Collect garbage, then return the allocator's free pages to the system; whether the C
     library could."""
     gc.collect()
-    name = ctypes.util.find_library("c")
+    trim = _malloc_trim()
+    return trim is not None and bool(trim(0))
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """libc's `malloc_trim`, looked up once (`find_library` runs ldconfig); None without it."""
     try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
-    return bool(trim(0))
+    return trim

@@ -43,7 +43,6 @@ DECODE_STEPS = 12  # new tokens per probe run
 ROUNDS = 3  # interleaved timed rounds (after one warm-up run each); the median counts
 RANK_BATCHES = (1, 8)  # rank the candidates (autoconfig.choose)
 CAP_BATCHES = (16, 32)  # measured once after the rounds: the batch cap (batch_cap.py)
-BATCHES = RANK_BATCHES + CAP_BATCHES
 BUSY_SHARE = 0.25  # other processes' share of the CPU above which a probe counts as busy
 PROBE_TEXT = "Your order has shipped and should arrive within three business days."
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine.autoconfig import Candidate, Choice, ConfigReport
+from workers.engine.autoconfig import Choice, ConfigReport
 from workers.engine.heap import trim_heap
 
 __all__ = ["ConfigTuner", "TunerSettings", "expected_tok_s", "served_ratio"]
@@ -259,10 +259,6 @@ class ConfigTuner:
         log.warning("config tuner: switched %s (now: %s)", self.last_switch, choice.reason)
         if self.on_switch is not None:
             self.on_switch(old.label, new.label, why)
-
-    @property
-    def in_use(self) -> Candidate:
-        return self.choice.candidate
 
     def _publish(self, probing: bool) -> None:
         self.engine.config_report = ConfigReport(
