@@ -12,7 +12,8 @@
 #   AMX (TILE, INT8, BF16) off. A `-march=native` build (GGML_NATIVE=ON) compiles ggml's AMX
 #   path on the Intel Xeons here, which crashes with SIGILL at the first decode on these
 #   VMs. On a CPU without AVX-512 (or to build for the machine as is) set
-#   LLAMA_SERVER_NATIVE=1: then -DGGML_NATIVE=ON and the AMX options are still forced off.
+#   LLAMA_SERVER_NATIVE=1: then -DGGML_NATIVE=ON, with AMX still off (-mno-amx-*). Put
+#   it in its own LLAMA_SERVER_DIR to keep both builds (bench/first_start.py --anchor-bin).
 #   Release build, static libraries (one self-contained binary), no libcurl, no tests or
 #   examples; only the `llama-server` target is built (about 8-10 min on 2 vCPUs).
 #
@@ -51,7 +52,10 @@ if ! command -v cmake >/dev/null; then
 fi
 
 if [[ "${LLAMA_SERVER_NATIVE:-0}" == "1" ]]; then
-    ISA=(-DGGML_NATIVE=ON)
+    # -march=native, minus the AMX instructions (see above): the compiler must not emit
+    # them and ggml must not compile its AMX path, which keys on __AMX_INT8__.
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    ISA=(-DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
 else
     ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
          -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON

@@ -14,10 +14,15 @@ Issue #47's check of the auto configuration (workers/engine/tuner.py, autoprobe.
 2. the **explicit configurations** (`--explicit`, each as `tolk worker --quantize W
    [--compile-decode]`, the cache warm) under the same load, one start each;
 3. with `--anchor`, llama.cpp's llama-server (`llama-http`, bench/build_llama_server.sh) on the
-   same GGUF and load;
+   same GGUF and load: each binary of `--anchor-bin` (default: the one the serving bench finds),
+   e.g. the project's AVX-512 build and a `GGML_NATIVE=ON` one, and per rate the faster P50 of
+   them as the anchor (issue #47: "the faster of the two");
 4. per first start and rate: its P50 over the best explicit configuration's (issue #47's
    Done-when 1: within 1.10) and over llama-server's (Done-when 2: P50 <= 0.8x, P99 of OK
    replies <= 1.0x).
+
+Every system serves the **same load** (`--seed`: the same texts at the same offsets), so a
+first start and an explicit configuration differ only in the worker.
 
 JSON on stdout (and `--out`). Needs the local stack. A first start compiles every gated
 format's decode graphs (minutes each on two cores): the run takes ~10 min per start.
@@ -26,6 +31,7 @@ format's decode graphs (minutes each on two cores): the run takes ~10 min per st
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +54,7 @@ def serving_args(args: argparse.Namespace, *extra: str) -> argparse.Namespace:
 
     argv = [
         "--rates", args.rates, "--mix", args.mix, "--duration", str(args.duration),
-        "--model", args.model, "--repeats", "1", *extra,
+        "--model", args.model, "--repeats", "1", "--seed", str(args.seed), *extra,
     ]  # fmt: skip
     ns = serving.parse_args(argv)
     ns.argv = argv
@@ -68,6 +74,39 @@ def by_rate(result: JSON) -> dict[str, JSON]:
     return out
 
 
+def run_llama_server(args: argparse.Namespace, binary: str) -> dict[str, JSON]:
+    """llama-server under the run's load; `binary` ("" = the serving bench's own search) is
+    handed to it as $LLAMA_SERVER_BIN. Each rate's figures name the binary they came from."""
+    from bench import serving
+
+    saved = os.environ.get("LLAMA_SERVER_BIN")
+    if binary:
+        os.environ["LLAMA_SERVER_BIN"] = binary
+    try:
+        figures = by_rate(serving.run(serving_args(args, "--systems", "llama-http")))
+    finally:
+        if saved is None:
+            os.environ.pop("LLAMA_SERVER_BIN", None)
+        else:
+            os.environ["LLAMA_SERVER_BIN"] = saved
+    print(f"[first_start] llama-server {binary or 'default'}: {figures}", file=sys.stderr)
+    return figures
+
+
+def faster_per_rate(builds: dict[str, dict[str, JSON]]) -> dict[str, JSON]:
+    """Per rate, the figures of the build with the lower P50, tagged with the build's name."""
+    out: dict[str, JSON] = {}
+    for name, rates in builds.items():
+        for rate, figures in rates.items():
+            p50 = figures.get("p50_s")
+            if p50 is None:
+                continue
+            best = out.get(rate)
+            if best is None or p50 < best["p50_s"]:
+                out[rate] = {**figures, "build": name}
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -79,7 +118,7 @@ def run(args: argparse.Namespace) -> JSON:
     for i in range(args.starts):
         ns = serving_args(
             args, "--systems", "tolk", "--fresh-cache", "--hog-s", str(args.hog_s),
-            "--worker-args=--no-cache", "--seed", str(i),
+            "--worker-args=--no-cache",
         )  # fmt: skip
         result = serving.run(ns)
         (info,) = result["starts"]
@@ -98,9 +137,10 @@ def run(args: argparse.Namespace) -> JSON:
         ns = serving_args(args, "--systems", "tolk", f"--worker-args={flags}")
         explicit[label] = by_rate(serving.run(ns))
         print(f"[first_start] explicit {label}: {explicit[label]}", file=sys.stderr, flush=True)
-    anchor = (
-        by_rate(serving.run(serving_args(args, "--systems", "llama-http"))) if args.anchor else {}
-    )
+    anchors: dict[str, dict[str, JSON]] = {}
+    for binary in args.anchor_bin if args.anchor else []:
+        anchors[binary or "default"] = run_llama_server(args, binary)
+    anchor = faster_per_rate(anchors)
     best: dict[str, str] = {}
     for rate in parse_csv(args.rates):
         rate = f"{float(rate):g}"
@@ -135,6 +175,7 @@ def run(args: argparse.Namespace) -> JSON:
         "explicit": explicit,
         "best_explicit": best,
         "llama_http": anchor,
+        "llama_http_builds": anchors,
         "all_within": all(f.get("within") for r in starts for f in r["rates"].values())
         if starts
         else None,
@@ -151,8 +192,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--explicit", default="int8,int8+compiled,float32,float32+compiled")
     p.add_argument("--anchor", action="store_true", help="llama-server under the same load")
+    p.add_argument(
+        "--anchor-bin",
+        action="append",
+        default=None,
+        help="a llama-server binary for --anchor (repeat for several builds; the faster P50 "
+        "per rate is the anchor); default: $LLAMA_SERVER_BIN or <repo>/.llama-server",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the load's texts and arrival times")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    args.anchor_bin = args.anchor_bin or [""]
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
 

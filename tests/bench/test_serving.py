@@ -372,3 +372,17 @@ def test_wait_tuned_reads_the_configuration_the_tuner_settled_on(tmp_path: Path)
         proc.wait()
     assert flags_of("int8+compiled") == "--quantize int8 --compile-decode"
     assert flags_of("float32") == "--quantize none --no-compile-decode"
+
+
+def test_first_start_anchors_on_the_faster_llama_server_build_per_rate() -> None:
+    """Issue #47 compares a first start with "the faster of the two" llama-server builds: per
+    rate the build with the lower P50 is the anchor, and its figures say which build it was."""
+    from bench.first_start import faster_per_rate
+
+    builds = {
+        "avx512": {"1": {"p50_s": 0.26, "p99_ok_s": 0.7}, "2": {"p50_s": 0.20, "p99_ok_s": 0.9}},
+        "native": {"1": {"p50_s": 0.24, "p99_ok_s": 0.8}, "2": {"p50_s": None, "p99_ok_s": None}},
+    }
+    anchor = faster_per_rate(builds)
+    assert anchor["1"] == {"p50_s": 0.24, "p99_ok_s": 0.8, "build": "native"}
+    assert anchor["2"]["build"] == "avx512" and anchor["2"]["p50_s"] == 0.20
