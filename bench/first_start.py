@@ -62,13 +62,15 @@ def serving_args(args: argparse.Namespace, *extra: str) -> argparse.Namespace:
 
 
 def by_rate(result: JSON) -> dict[str, JSON]:
-    """{rate: {"p50_s", "p99_ok_s"}} over all languages of a serving result's runs."""
+    """{rate: {"p50_s", "p99_ok_s", "p99_s", "statuses"}} over all languages of a serving
+    result's runs."""
     out = {}
     for row in result["runs"]:
         figures = row["languages"]["all"]
         out[f"{row['total_rate']:g}"] = {
             "p50_s": figures.get("p50_s"),
             "p99_ok_s": figures.get("p99_ok_s"),
+            "p99_s": figures.get("p99_s"),
             "statuses": figures.get("statuses"),
         }
     return out

@@ -162,7 +162,7 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         server = llama.LlamaServer(
             binary, gguf, threads=args.llama_threads, parallel=args.llama_parallel,
             ctx_per_slot=args.llama_ctx_per_slot, cache_reuse=args.llama_cache_reuse,
-            log_path=logs / f"{prefix}llama-server.log",
+            log_path=logs / f"{prefix}llama-server.log", extra=llama_draft_args(args),
         )  # fmt: skip
         stack.enter_context(server)
         info.update(llama_server_cmd=" ".join(server.cmd), gguf=str(gguf))
@@ -314,6 +314,17 @@ def report(args: argparse.Namespace, points: list[dict[str, Any]], runs: list[JS
     return result
 
 
+def llama_draft_args(args: argparse.Namespace) -> list[str]:
+    """llama-server's flags for `--llama-draft` (none without one)."""
+    if not args.llama_draft:
+        return []
+    from workers.engine.loader import resolve_source
+
+    path = Path(args.llama_draft)
+    gguf = path if path.suffix == ".gguf" else resolve_source(args.llama_draft)[1]
+    return ["-md", str(gguf), "--draft-max", str(args.llama_draft_max), "-tbd", "2", "-td", "2"]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="tolk,llama-http,llama-kafka")
@@ -348,6 +359,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-threads", type=int, default=2)
     p.add_argument("--llama-parallel", type=int, default=4, help="llama-server -np (slots)")
     p.add_argument("--llama-cache-reuse", type=int, default=256)
+    p.add_argument(
+        "--llama-draft",
+        default=None,
+        help="llama-server's speculative decoding: a draft model (a preset or a GGUF path) "
+        "passed as -md, with --draft-max --llama-draft-max",
+    )
+    p.add_argument("--llama-draft-max", type=int, default=16)
     p.add_argument("--llama-ctx-per-slot", type=int, default=1024)
     p.add_argument("--bootstrap", default=os.environ.get("TOLK_BOOTSTRAP", "127.0.0.1:9092"))
     p.add_argument(

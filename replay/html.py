@@ -37,6 +37,7 @@ ARM_COLUMNS = (
     ("truncated", "truncated_rate"),
     ("spans kept", "span_preservation"),
     ("intent agreement", "intent_agreement"),
+    ("deferred", "deferred_share"),
 )
 
 

@@ -47,6 +47,9 @@ STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
 # under status "withheld", not ERROR (the worker kept an unfaithful text back: a quality
 # outcome, not a service error; issue #28)
 WITHHELD_KEY = reply_metadata.FAITHFUL
+# the cascade's outcome on an OK reply (workers/stages/cascade/stage.py): an arm's share of
+# replies the large model answered is its `deferred_share` (None for an arm without a cascade)
+CASCADE_KEY = reply_metadata.CASCADE
 PERCENTILES = (50, 95, 99)
 NOISE_SUFFIXES = ("'", "\u2032", "-copy", "_copy")
 
@@ -128,6 +131,9 @@ def _measure(
             m["withheld"] = (reply.get("metadata") or {}).get(WITHHELD_KEY) == "withheld"
             continue
         text = str(reply.get("text") or "")
+        cascade = (reply.get("metadata") or {}).get(CASCADE_KEY)
+        if cascade:
+            m["cascade"] = cascade
         m["latency_ms"] = float(reply["received_ms"]) - float(req["sent_ms"])
         if rid in chrf_rows:
             m["chrf"], m["bleu"] = chrf_rows[rid], bleu_rows[rid]
@@ -188,6 +194,10 @@ def _arm_summary(
     counts["unanswered"] = sum(1 for rid in rids if rid not in measures)
     counts["duplicates"] = sum(duplicates[rid] for rid in rids)
     summary: dict[str, Any] = {"requests": len(rids), "status": counts}
+    cascade = Counter(m["cascade"] for rid in rids if "cascade" in (m := measures.get(rid, {})))
+    summary["cascade"] = dict(cascade)
+    total = sum(cascade.values())
+    summary["deferred_share"] = cascade.get("deferred", 0) / total if total else None
     lat = [measures[rid]["latency_ms"] for rid in rids if "latency_ms" in measures.get(rid, {})]
     for q, name in zip(PERCENTILES, LATENCY_METRICS, strict=True):
         summary[name] = float(np.percentile(lat, q)) if lat else None

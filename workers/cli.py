@@ -210,6 +210,21 @@ def worker(
         str | None,
         typer.Option(help="'ngram': speculative decoding, same output (engine/speculative.py)."),
     ] = None,
+    cascade: Annotated[
+        str | None,
+        typer.Option(
+            help="A larger model (a preset, e.g. qwen2.5-coder-1.5b) that translates where "
+            "--model's answer is likely wrong, within the deadline (stages/cascade/stage.py)."
+        ),
+    ] = None,
+    cascade_thresholds: Annotated[
+        Path | None,
+        typer.Option(
+            help="The cascade's per-pair thresholds (python -m bench.cascade --calibrate "
+            "--out-thresholds F). Default: the packaged calibration of gemma3-270m and "
+            "qwen2.5-coder-1.5b."
+        ),
+    ] = None,
     auto: Annotated[
         bool,
         typer.Option(
@@ -331,6 +346,8 @@ def worker(
         quantize=quantize,
         compile_decode=compile_decode,
         draft=draft,
+        cascade=cascade,
+        cascade_thresholds=cascade_thresholds,
         auto=auto,
         tm_examples=tm_examples,
         tm_dir=tm_dir,

@@ -6,9 +6,9 @@ unchanged: `WorkerMetrics` inherits `StageMetrics` and calls `_register_stage_me
 registry's order holds), and each metric is still an attribute of the one container over the
 injected registry (`metrics.cache_hits_total`, ...). What is here is counted by the stages
 around the engine, each named next to its metric: protected spans, the faithfulness check and
-its outcomes, translation-memory retrieval, conversation context, and the exact-match
-translation cache (L1/L2 hits, joins, evictions, hit latency, L2 health). The label rule of
-workers/metrics.py holds: bounded label sets only.
+its outcomes, the cascade's outcomes and scores, translation-memory retrieval, conversation
+context, and the exact-match translation cache (L1/L2 hits, joins, evictions, hit latency, L2
+health). The label rule of workers/metrics.py holds: bounded label sets only.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ __all__ = ["StageMetrics"]
 
 _RETRIEVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _RETRIEVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The cascade's score: a mean log-probability per token (workers/stages/cascade/rules.py)
+_SCORE_BUCKETS = (-4.0, -3.0, -2.5, -2.0, -1.5, -1.25, -1.0, -0.75, -0.5, -0.25, -0.1, 0.0)
 # Seconds: a cache hit takes microseconds (L1) to a millisecond or so (L2, a Redis round trip).
 _CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 
@@ -71,6 +73,24 @@ class StageMetrics:
             namespace=ns,
             registry=registry,
             buckets=_RETRIEVAL_BUCKETS,
+        )
+        self.cascade_outcomes_total = Counter(  # workers/stages/cascade/stage.py (--cascade)
+            "cascade_outcomes_total",
+            "Cascade requests by target language and outcome: small (the small model's answer "
+            "kept), deferred (the large model answered), deadline (deferral would miss the "
+            "deadline or the large run failed: the small answer, flagged).",
+            ["lang", "outcome"],
+            namespace=ns,
+            registry=registry,
+        )
+        self.cascade_score = Histogram(  # workers/stages/cascade/stage.py
+            "cascade_score",
+            "The cascade's deferral signal per scored answer (a mean log-probability per "
+            "token: 0 is certain, lower is doubtful), by target language.",
+            ["lang"],
+            namespace=ns,
+            registry=registry,
+            buckets=_SCORE_BUCKETS,
         )
         self.context_turns_total = Counter(  # workers/stages/context/stage.py (--context)
             "context_turns_total",

@@ -52,6 +52,11 @@ TM_SIMILARITY = "tolk.tm.similarity"  # cosine similarity of the nearest one ("0
 CONTEXT = "tolk.context"  # "turns=N": history turns in the prompt
 CONTEXT_RETRY = "tolk.context.retry"  # why the turn ran again without history
 
+# -- the quality-aware cascade (workers/stages/cascade/stage.py, `--cascade`)
+# --------------------------
+CASCADE = "tolk.cascade"  # small (kept) / deferred (the large model answered) / deadline
+CASCADE_SCORE = "tolk.cascade.score"  # the deferral signal's value ("-0.731"), when computed
+CASCADE_REASON = "tolk.cascade.reason"  # why deferred or not: score / check / failed / late
 # -- drills (workers/stages/drill/stage.py)
 # ------------------------------------------------------------
 DRILL = "tolk.drill"  # the faults injected: latency / error / error+latency
@@ -74,5 +79,8 @@ REPLY_KEYS: tuple[str, ...] = (
     TM_SIMILARITY,
     CONTEXT,
     CONTEXT_RETRY,
+    CASCADE,
+    CASCADE_SCORE,
+    CASCADE_REASON,
     DRILL,
 )

@@ -16,10 +16,11 @@ Design notes
   breaker: `workers.store.results.CircuitBreakerStore`), every request is translated, and each
   failed or skipped look-up / put counts in `tolk_store_degraded_total{op}`.
 * Fair intake: per language quotas with hysteresis and a global cap pause partitions; records
-  of one batch past a quota are rewound with `seek()` (`record_intake`, `record_life`).
+  of one batch past a quota are rewound with `seek()` (`workers.kafka.intake`,
+  `workers.kafka.record_life`).
 * Engine results: a failed run is retried up to `max_attempts` runs, then dead-lettered as
   "poison" and answered ERROR; a revoked partition's result is answered or dropped
-  (`engine_runs`).
+  (`workers.kafka.engine_runs`).
 * Arms (with `Settings.arm`; `workers.kafka.arm_routing`): group `<group>.<arm>`; a record that is
   another arm's (`workers.arms`) is done without a reply; replies carry `"<version>@<arm>"`.
 * Never die on a record: any failure on one record becomes a dead letter (undecodable bytes,
@@ -34,17 +35,17 @@ served from `consume()` / `producer.poll()` on the poll thread.
 
 One record's life, and who does what (`workers.kafka.record_life` has the whole picture):
 
-* `RecordLife` (record_life.py) owns every record's state: its offset (`partitions`, over
+* `RecordLife` (kafka/record_life.py) owns every record's state: its offset (`partitions`, over
   `offsets`), its language's quota and the global cap, the request in the engine that it waits
   on. Nothing else holds any of that.
-* The steps decide and return outcomes: `RecordIntake.take()` (record_intake.py: quotas and
+* The steps decide and return outcomes: `RecordIntake.take()` (kafka/intake.py: quotas and
   rewinds, decoding, arm routing, duplicates, checks) yields `Submit`, `AnswerNow`, `Resend`,
-  `DeadLetter` or `Skip`; `EngineRuns` (engine_runs.py: submit, results, bounded retries)
+  `DeadLetter` or `Skip`; `EngineRuns` (kafka/engine_runs.py: submit, results, bounded retries)
   yields `Answer`, `AnswerNow` or `DeadLetter`.
-* This loop acts on each outcome (`_act`) through the `ReplyPublisher` (reply_publisher.py:
-  produce, store, dead letters, retries in reply_retry.py; the offset is done on delivery).
+* This loop acts on each outcome (`_act`) through the `ReplyPublisher` (kafka/reply_publisher.py:
+  produce, store, dead letters, retries in kafka/reply_retry.py; the offset is done on delivery).
 
-The worker keeps the loop, shutdown and the gauges; `kafka_config` has the client settings
+The worker keeps the loop, shutdown and the gauges; `workers.kafka.config` has the client settings
 and the reply-topic check. A `FairEngine`'s fair-share gauges are read
 from its `queue_snapshot()` (one frozen copy, `workers.serving.queue_snapshot`).
 """
@@ -129,7 +130,7 @@ class Worker:
                 settings.redis_url, settings.result_ttl_s, socket_timeout_s=settings.store_timeout_s
             )
         retried = self.metrics.redis_retries_total
-        self.store = CircuitBreakerStore(  # fails fast while redis is down (results_store.py)
+        self.store = CircuitBreakerStore(  # fails fast while redis is down (store/results.py)
             store if self.arms is None else ArmScopedStore(store, self.arms.arm),
             on_degraded=lambda op: degraded.labels(op=op).inc(),
             patience_s=settings.store_patience_s,  # a timeout is retried first (breaker.py)

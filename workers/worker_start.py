@@ -65,6 +65,8 @@ class WorkerPlan:
     drill_latency: tuple[str, ...] = ()
     drill_errors: tuple[str, ...] = ()
     draft: str | None = None  # speculative decoding's proposer ("ngram"); None: none
+    cascade: str | None = None  # the cascade's large model (a preset); None: no cascade
+    cascade_thresholds: Path | None = None  # its thresholds file; None: the packaged one
 
 
 def run_worker(settings: Any, plan: WorkerPlan) -> int:
@@ -133,6 +135,9 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         decode_step_s=cap.step_s,
     )  # fmt: skip
     del loaded  # the engine holds it; a switch of configuration must be able to free it
+    cascade = (
+        _cascade_setup(settings, plan, root, engine_config) if plan.cascade is not None else None
+    )
     final = selection.config  # the translation cache keeps each weight format's answers apart
     # the stages and their order (which one sees which request): workers/serving/pipeline.py
     served = build_served_engine(
@@ -149,6 +154,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
             drill_latency=plan.drill_latency,
             drill_errors=plan.drill_errors,
             context=plan.context,
+            cascade=cascade,
         ),
     )
     tuner = None
@@ -163,6 +169,66 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         log.info("the tuner is still probing at exit: exiting without waiting for it")
         _exit_now(code)
     return code
+
+
+def _cascade_setup(settings: Any, plan: WorkerPlan, root: Path, small_config: Any) -> Any:
+    """The cascade's large model and thresholds (`--cascade`, workers/stages/cascade/stage.py):
+    its weights as its stored probe chose them (else the unmeasured choice; it is not probed
+    while serving), its own KV pools and engine thread. Thresholds calibrated for another
+    scoring model refuse the start: their scale is that model's."""
+    from dataclasses import replace
+
+    from workers.engine.autoprobe import resolve_worker_config
+    from workers.engine.engine import Engine
+    from workers.stages.cascade.rules import SCORER, CascadeThresholds, packaged_thresholds
+    from workers.stages.cascade.stage import CascadeSetup
+
+    large_model = plan.cascade
+    assert large_model is not None
+    if large_model == settings.model:
+        raise StartRefused(
+            "--cascade names the model the worker already serves", option="--cascade"
+        )
+    try:
+        path = plan.cascade_thresholds
+        thresholds = CascadeThresholds.load(path) if path else packaged_thresholds()
+    except ValueError as exc:
+        raise StartRefused(str(exc), option="--cascade-thresholds") from None
+    by_large = SCORER[thresholds.signal] == "large"
+    scorer = thresholds.large if by_large else thresholds.small
+    wanted = large_model if by_large else settings.model
+    if scorer != wanted:
+        raise StartRefused(
+            f"the cascade thresholds were calibrated with {thresholds.small} -> "
+            f"{thresholds.large} ({thresholds.signal}); for {settings.model} -> {large_model} "
+            "calibrate them: python -m bench.cascade --calibrate --small "
+            f"{settings.model} --large {large_model} --out-thresholds FILE",
+            option="--cascade-thresholds",
+        )
+    if (thresholds.small, thresholds.large) != (settings.model, large_model):
+        log.warning(
+            "cascade thresholds calibrated for %s -> %s, serving %s -> %s: the deferred share "
+            "will differ from the calibrated %s", thresholds.small, thresholds.large,
+            settings.model, large_model, thresholds.defer_share,
+        )  # fmt: skip
+    try:
+        choice = resolve_worker_config(
+            large_model, device=plan.resolved_device, quantize=None, compile_decode=None,
+            auto=plan.auto, cache_root=root, background=True,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise StartRefused(str(exc), option="--cascade") from None
+    chosen = choice.candidate
+    config = replace(
+        small_config,
+        model=large_model,
+        dtype=chosen.dtype,
+        quantize=chosen.quantize,
+        compile_decode=chosen.compile_decode,
+        draft=None,
+    )
+    log.info("cascade: %s on %s (%s)", large_model, chosen.label, choice.reason)
+    return CascadeSetup(Engine.from_config(config), thresholds)
 
 
 def cache_variant(config: Any) -> str:

@@ -386,3 +386,14 @@ def test_first_start_anchors_on_the_faster_llama_server_build_per_rate() -> None
     anchor = faster_per_rate(builds)
     assert anchor["1"] == {"p50_s": 0.24, "p99_ok_s": 0.8, "build": "native"}
     assert anchor["2"]["build"] == "avx512" and anchor["2"]["p50_s"] == 0.20
+
+
+def test_llama_server_speculates_with_the_draft_model_asked_for(tmp_path: Path) -> None:
+    """Issue #43's anchor is llama-server's best, with and without `-md` (a draft model)."""
+    from bench.serving import llama_draft_args, parse_args
+
+    assert llama_draft_args(parse_args([])) == []
+    draft = tmp_path / "draft.gguf"
+    args = parse_args(["--llama-draft", str(draft), "--llama-draft-max", "8"])
+    flags = llama_draft_args(args)
+    assert flags[:4] == ["-md", str(draft), "--draft-max", "8"]

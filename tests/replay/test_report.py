@@ -169,3 +169,29 @@ def test_the_deltas_plot_draws_an_estimate_outside_its_interval() -> None:
     report = {"groups": {"de": {"comparisons": {"A vs B": {"metrics": {"latency": metric}}}}}}
     png = deltas_png(report, "A vs B")
     assert png  # an image, not an exception
+
+
+def test_an_arm_with_a_cascade_shows_its_deferred_share(tmp_path):
+    """Issue #44: the per-arm table says which share of a cascade arm's replies the large model
+    answered (`tolk.cascade` = deferred); an arm without the cascade shows none."""
+    requests = bcontrast_requests(40)
+    small = arm_replies(requests, "small", _text_a, _latency(200))
+    cascade = arm_replies(requests, "cascade", _text_a, _latency(300))
+    for i, r in enumerate(cascade):
+        r["metadata"] = {"tolk.cascade": "deferred" if i % 4 == 0 else "small"}
+    cascade[1]["metadata"] = {"tolk.cascade": "deadline"}
+    run = write_run(tmp_path / "c", requests, small + cascade, ["small", "cascade"])
+    built = report_mod.build_report(run, draws=200)
+    overall = [g for name, g in built["groups"].items() if name.startswith("language")]
+    arms = [g["arms"]["cascade"] for g in overall]
+    outcomes = ("small", "deferred", "deadline")
+    counts = {k: sum(a["cascade"].get(k, 0) for a in arms) for k in outcomes}
+    assert counts == {"small": 29, "deferred": 10, "deadline": 1}
+    assert all(a["deferred_share"] is not None and 0 < a["deferred_share"] < 0.5 for a in arms)
+    assert all(g["arms"]["small"]["deferred_share"] is None for g in overall)
+    from replay import html
+
+    table = html.markdown(built)
+    assert "| deferred |" in table
+    rows = table.split("\n")
+    assert any(row.startswith("| small |") and row.endswith("| - |") for row in rows)

@@ -41,6 +41,8 @@ from workers.serving.pipeline import (
 )
 from workers.settings import Settings
 from workers.stages.cache.redis_l2 import InMemoryTranslationCache
+from workers.stages.cascade.rules import CascadeThresholds
+from workers.stages.cascade.stage import CascadeSetup
 from workers.stages.context.stage import CONTEXT_NOTE, ContextEngine
 from workers.stages.drill.stage import DRILL_NOTE_KEY, DrillEngine
 from workers.stages.wrapper import EngineWrapper
@@ -85,11 +87,14 @@ def _chain(served: ServedEngine) -> list[str]:
 
 def test_the_declared_order() -> None:
     assert [s.name for s in STAGES] == [
-        "drill", "context", "cache", "protect_spans", "faithful", "examples",
+        "drill", "context", "cache", "protect_spans", "faithful", "examples", "cascade",
     ]  # fmt: skip
+    large = FakeEngine(model_version="large-1")
+    thresholds = CascadeThresholds("s", "l", "large_logprob", {}, pooled=-1.0, defer_share=0.3)
     options = ServingOptions(
         faithful=True, protect_spans=True, cache=True, cache_l2=InMemoryTranslationCache(),
         context=True, drill_errors=("de:0.5",), retriever=SimpleNamespace(key_note="tm(test)"),
+        cascade=CascadeSetup(large, thresholds),
     )  # fmt: skip
     prompts = SimpleNamespace(retry_form="short_mix8", default_form="support8")
     served = build_served_engine(
@@ -97,13 +102,15 @@ def test_the_declared_order() -> None:
     )
     assert _chain(served) == [
         "DrillEngine", "ContextEngine", "CachingEngine", "ProtectedSpansEngine",
-        "FaithfulEngine", "RetrievedExamplesEngine", "FakeEngine",
+        "FaithfulEngine", "RetrievedExamplesEngine", "CascadeEngine", "FakeEngine",
     ]  # fmt: skip
+    assert served.stage("cascade").large is large
     context = served.stage("context")
     assert context.uncached is served.stage("cache").inner  # turns with history skip the cache
     assert served.stage("faithful").retry_form == "short_mix8"  # from the engine's prompts
     assert served.stage("cache").fingerprint.endswith(
-        "|ProtectedSpansEngine>FaithfulEngine>RetrievedExamplesEngine[tm(test)]>FakeEngine|"
+        "|ProtectedSpansEngine>FaithfulEngine>RetrievedExamplesEngine[tm(test)]>"
+        "CascadeEngine[cascade=large-1,signal=large_logprob,share=0.3]>FakeEngine|"
     )
 
 
@@ -226,11 +233,12 @@ STAGE_MODULES = {
     "workers/stages/faithful/stage.py",
     "workers/stages/protected/stage.py",
     "workers/stages/examples/stage.py",
+    "workers/stages/cascade/stage.py",
     "workers/stages/wrapper.py",
 }
 STAGE_CLASSES = {
     "CachingEngine", "ContextEngine", "DrillEngine", "FaithfulEngine", "ProtectedSpansEngine",
-    "RetrievedExamplesEngine", "ServedEngine", "EngineWrapper",
+    "RetrievedExamplesEngine", "CascadeEngine", "ServedEngine", "EngineWrapper",
 }  # fmt: skip
 # the factories of the old inline assembly: gone, and must not come back elsewhere
 OLD_FACTORIES = {

@@ -20,7 +20,10 @@ raised) is `StepResults` in workers/engine/step_results.py; `Engine` inherits bo
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
 its prefix (instructions + few-shot examples of the target language) is shared through the
 prefix cache, and `warm()` computes it once at start-up so the first request of a language
-already prefills only its own tokens.
+already prefills only its own tokens. `score_request()` builds the other kind of request:
+an answer scored by teacher forcing (`GenerationRequest.score_from`; the result's `logprob`
+is its tokens' mean log-probability under this model), one prefill and no decoding, the
+quality-aware cascade's deferral signal (workers/stages/cascade/).
 
 The model is prepared once per loaded model (`workers/engine/prepare.py`: the speed swaps of
 `swaps.py`), not by each engine: `Engine(loaded_or_prepared, config)` prepares a `LoadedModel`
@@ -289,6 +292,38 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             group=target_lang,
             deadline=deadline,
             expected_output_tokens=min(params.max_new_tokens, query_tokens),
+        )
+
+    def score_request(
+        self,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        answer: str,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        prompt_form: str | None = None,
+    ) -> GenerationRequest:
+        """A request that scores `answer` as this model's translation of `text`: the prompt
+        it would translate from, then the answer as the form's example turn shows one (its
+        lead, e.g. the space after "German:"), scored by teacher forcing. The result's
+        `logprob` is the answer tokens' mean log-probability: the cascade's deferral signal
+        when a large model scores a small model's answer (one prefill, no decoding)."""
+        ids, _ = self.prompts.build(text, source_lang, target_lang, prompt_form)
+        frame = self.prompts.answer_frame(prompt_form)
+        lead = frame[0] if frame is not None else " "
+        answer_ids = self.tokenizer.encode(lead + answer, add_special_tokens=False)
+        if not answer_ids:
+            raise ValueError("nothing to score: the answer has no tokens")
+        return GenerationRequest(
+            request_id or uuid.uuid4().hex,
+            [*ids, *answer_ids],
+            SamplingParams(max_new_tokens=1, stop_at_newline=False),
+            group=target_lang,
+            deadline=deadline,
+            expected_output_tokens=1,
+            score_from=len(ids),
         )
 
     def count_tokens(self, text: str) -> int:

@@ -15,7 +15,10 @@ scheduler pick the chunks, applies the stop rules and turns finished sequences i
 * eagerly (`_forward_and_pick`): the chunks' tokens flattened into one batch with per-group
   attention metadata (block tables from the KV manager), one forward, then the last hidden
   row of each sampling chunk through the sampler (the screened int8 LM head when every
-  sequence is greedy: workers/engine/sampling.py).
+  sequence is greedy: workers/engine/sampling.py). A step with rows to score (teacher
+  forcing, `GenerationRequest.score_from`: the cascade's deferral signal) always runs here,
+  the one path that keeps every row: `_score_rows` adds each scored token's log-probability
+  to its sequence.
 
 Each returns request id -> the tokens sampled after the chunk's sampled rows: one token, or
 with draft tokens to check (speculative decoding, workers/engine/speculative.py) the target's
@@ -60,7 +63,10 @@ class ModelStep:
             )
         compiled = self.compiled
         decode_only = all(c.samples and c.num_tokens == 1 for c in out.chunks)
-        if self.graphs is not None and decode_only:
+        scoring = any(c.scored_rows for c in out.chunks)  # needs every row: the eager path
+        if scoring:
+            compiled = None
+        if self.graphs is not None and decode_only and not scoring:
             picked = self._run_graph(self.graphs, out)
             if picked is not None:
                 return picked
@@ -92,6 +98,8 @@ class ModelStep:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids, pos, metadata)  # [T, D]
+        if scoring:
+            self._score_rows(out.chunks, hidden)
         sampling = [c for c in out.chunks if c.samples]
         if not sampling:
             return {}
@@ -102,6 +110,31 @@ class ModelStep:
             ends.extend(range(end - c.num_rows_sampled, end))  # the last row, then drafts'
         rows = hidden.index_select(0, torch.tensor(ends, device=self.device))  # [R, D]
         return self._pick(sampling, rows)
+
+    def _score_rows(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Teacher forcing (`GenerationRequest.score_from`): add the log-probability of each
+        scored prompt token, read from the row before it, to its sequence's running sum."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[ScheduledChunk, int]] = []  # (chunk, number of its rows)
+        offset = 0
+        for c in chunks:
+            positions = c.scored_rows
+            if positions:
+                rows.extend(offset + p - c.start for p in positions)
+                targets.extend(c.seq.token_ids[p + 1] for p in positions)
+                owners.append((c, len(positions)))
+            offset += c.num_tokens
+        index = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [R, V] float32
+        picked = torch.log_softmax(logits, dim=-1).gather(
+            1, torch.tensor(targets, device=self.device)[:, None]
+        )  # [R, 1]
+        values = picked[:, 0].tolist()
+        for c, n in owners:
+            c.seq.logprob_sum += sum(values[:n])
+            c.seq.num_scored += n
+            del values[:n]
 
     def _pick(self, chunks: list[ScheduledChunk], rows: torch.Tensor) -> dict[str, list[int]]:
         """The sampled tokens of the sampling chunks' rows `rows` [R, D] (each chunk's

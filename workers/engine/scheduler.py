@@ -80,6 +80,17 @@ class SequenceState:
     draft_len: int = 0  # drafts to ask for next (speculative.py adapts it; 0: not started)
     num_drafted: int = 0  # draft tokens checked by the target, in total
     num_accepted: int = 0  # of those, the ones the target agreed with
+    logprob_sum: float = 0.0  # request.score_from: the scored tokens' log-probabilities so far
+    num_scored: int = 0  # and how many of them
+
+    @property
+    def scored_rows(self) -> range:
+        """Positions whose next-token distribution scores a prompt token (`score_from`): the
+        row at p gives the log-probability of token p + 1. Empty for a plain request."""
+        start = self.request.score_from
+        if start is None:
+            return range(0)
+        return range(max(0, start - 1), self.num_prompt_tokens - 1)
 
     @property
     def request_id(self) -> str:
@@ -110,6 +121,12 @@ class ScheduledChunk:
     def num_rows_sampled(self) -> int:
         """Rows whose next token the step returns: the last, and one per draft (0 if none)."""
         return 1 + len(self.draft) if self.samples else 0
+
+    @property
+    def scored_rows(self) -> range:
+        """The positions of this chunk whose rows score a prompt token (see SequenceState)."""
+        rows = self.seq.scored_rows
+        return range(max(rows.start, self.start), min(rows.stop, self.start + self.num_tokens))
 
     def input_ids(self) -> list[int]:
         """The token ids this chunk computes, drafts last."""
@@ -212,7 +229,7 @@ class Scheduler:
                     break
                 seq, cached = waiting
                 if cached is None:  # a resumed sequence: its cached prefix may have changed
-                    cached = self.kv.find_cached_prefix(seq.token_ids)
+                    cached = self._cached_prefix(seq)
                 n = min(len(seq.token_ids) - cached, budget)
                 if not self.kv.allocate_slots(seq.request_id, seq.token_ids, cached, n):
                     self._unpop(seq)
@@ -306,7 +323,7 @@ class Scheduler:
                 return None
             self.queue.pop()
             seq = SequenceState(request, list(request.prompt_ids), len(request.prompt_ids))
-            cached = self.kv.find_cached_prefix(seq.token_ids)
+            cached = self._cached_prefix(seq)
             verdict = self._admit(request, now, cached)
             if verdict.admit:
                 return seq, cached
@@ -331,6 +348,14 @@ class Scheduler:
             return self.admission(request, now, len(self.running), cached)
         return AdmissionDecision(True)
 
+    def _cached_prefix(self, seq: SequenceState) -> int:
+        """The prefix-cache hit of a sequence about to start: never past its first scored row,
+        whose log-probability must be computed (`score_from`)."""
+        rows = seq.scored_rows
+        if rows:
+            return self.kv.find_cached_prefix(seq.token_ids[: rows.start + 1])
+        return self.kv.find_cached_prefix(seq.token_ids)
+
     def _unpop(self, seq: SequenceState) -> None:
         # Not enough KV blocks for a newcomer: it waits at the front.
         self.preempted.appendleft(seq)
@@ -339,6 +364,7 @@ class Scheduler:
         self.kv.free(seq.request_id, seq.token_ids)
         seq.num_computed = 0
         seq.draft_ids = []
+        seq.logprob_sum, seq.num_scored = 0.0, 0  # its scored rows are computed again
         seq.num_preemptions += 1
         self.preempted.appendleft(seq)
 

@@ -110,6 +110,8 @@ class StepResults:
             cached_tokens=seq.num_cached,
             timings=timings,
             error=seq.error,
+            logprob=seq.logprob_sum / seq.num_scored if seq.num_scored else None,
+            scored_tokens=seq.num_scored,
         )
         self.stats.finished += 1
         self.sampler.forget(req.request_id)

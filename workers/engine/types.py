@@ -52,6 +52,11 @@ class GenerationRequest:
     deadline: float | None = None  # absolute time.monotonic() by which it must finish
     arrival: float = field(default_factory=time.monotonic)  # when it entered the engine
     expected_output_tokens: int = 0  # estimate for admission and cost models (0 = unknown)
+    # Teacher forcing: the prompt's tokens from this position on are scored, each by the
+    # model's log-probability of it given everything before it; the result's `logprob` is
+    # their mean (the cascade's deferral signal: a model scoring another model's answer).
+    # Those positions are always computed, never taken from the prefix cache.
+    score_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,9 @@ class GenerationResult:
     flagged: bool = False  # a stage sent it though its checks still doubt it
     finish_detail: str = ""  # a stage's finer finish reason: "length_guard" (the guard's cap)
     examples_used: int = 0  # retrieved translation-memory examples its prompt showed
+    # a request with `score_from`: the mean log-probability of its scored prompt tokens
+    logprob: float | None = None
+    scored_tokens: int = 0
 
     @property
     def ok(self) -> bool:

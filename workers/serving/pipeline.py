@@ -23,9 +23,11 @@ worker`, `tolk demo`, the benchmarks and the tests only choose which are on
    faithfulness checks see the answer, and its unmasked retry is checked too;
 5. faithfulness (`--faithful`, workers/stages/faithful/stage.py): its retry asks for the template's
    other prompt form (`retry_form`, given here from the engine's prompt builder);
-6. retrieved examples (`--tm-examples`, workers/stages/examples/stage.py): innermost, it puts the
-examples
-   into the request, so the faithfulness retry shows the same ones.
+6. retrieved examples (`--tm-examples`, workers/stages/examples/stage.py): it puts the examples
+   into the request, so the faithfulness retry shows the same ones;
+7. the quality-aware cascade (`--cascade`, workers/stages/cascade/stage.py): innermost, around
+   the small model's fair engine: a doubted answer is translated again by the large model,
+   and faithfulness (outside) checks whichever answer goes out.
 
 Nothing else constructs a stage (tests/workers/test_pipeline.py checks the source). What the
 worker reads of the engine besides the request path (the fair queue's snapshot, the engine's
@@ -69,6 +71,7 @@ class ServingOptions:
     drill_latency: Sequence[str] = ()
     drill_errors: Sequence[str] = ()
     context: bool = False
+    cascade: Any = None  # workers.stages.cascade.stage.CascadeSetup (--cascade), None = off
     extra: dict[str, Any] = field(default_factory=dict)  # options of a stage added to `STAGES`
 
 
@@ -80,6 +83,7 @@ class Build:
     options: ServingOptions
     core: TranslationEngine  # the fair engine (or a test's engine)
     prompts: Any  # the engine's prompt builder (None for an engine without one)
+    base: Any = None  # the Engine that builds the prompts (None for a test's engine)
     below: dict[str, TranslationEngine] = field(default_factory=dict)  # stage -> what it wraps
     layers: list[TranslationEngine] = field(default_factory=list)  # built so far, inside out
 
@@ -163,6 +167,14 @@ def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
     return RetrievedExamplesEngine(inner, b.options.retriever)
 
 
+def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
+    from workers.stages.cascade.stage import CascadeEngine
+
+    setup = b.options.cascade
+    scorer = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
+    return CascadeEngine(inner, large=setup.large, thresholds=setup.thresholds, small_scorer=scorer)
+
+
 # The order, from the outside in (module notes): the one list.
 STAGES: tuple[Stage, ...] = (
     Stage("drill", lambda o: bool(o.drill_latency or o.drill_errors), _drills),
@@ -171,6 +183,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("protect_spans", lambda o: o.protect_spans, _protect_spans),
     Stage("faithful", lambda o: o.faithful, _faithful),
     Stage("examples", lambda o: o.retriever is not None, _examples),
+    Stage("cascade", lambda o: o.cascade is not None, _cascade),
 )
 
 
@@ -251,7 +264,7 @@ def build_served_engine(
     if base is None:
         base = core.engine if isinstance(core, FairEngine) else core
     prompts = getattr(base, "prompts", None)  # None: no prompt builder (a test's engine)
-    b = Build(settings, options, core, prompts, layers=[core])
+    b = Build(settings, options, core, prompts, base, layers=[core])
     served = core
     built: dict[str, TranslationEngine] = {}
     for stage in reversed(stages):  # inside out

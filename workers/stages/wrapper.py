@@ -1,10 +1,10 @@
 """`EngineWrapper`: the pass-through half of a serving stage, a `TranslationEngine` that wraps
 another.
 
-The serving stages (`protected_engine`, `faithful_engine`, `cache_engine`, `drill_engine`,
-`tm_engine`, `context_engine`) each change how a request is submitted and answered; the
-builder, workers/serving/pipeline.py, composes them in its declared order and is the only
-place that constructs one. A subclass sets `self.inner` and implements
+The serving stages (`workers/stages/<name>/stage.py`: drill, context, cache, protected,
+faithful, examples, cascade) each change how a request is submitted and answered; the builder,
+workers/serving/pipeline.py, composes them in its declared order and is the only place that
+constructs one. A subclass sets `self.inner` and implements
 `submit_translation(request)`; it overrides `start` / `stop` only to add its own work around
 the inner engine's. Nothing else of the inner engine shows through: the builder's
 `ServedEngine` gives the worker what it reads of the engine (its queue, stats, heartbeat)

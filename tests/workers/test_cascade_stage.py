@@ -1,0 +1,273 @@
+"""workers/stages/cascade/stage.py around scripted engines (the small model's answers, the large
+model's scores and answers): an answer above its pair's threshold kept, one below deferred, one
+the checks doubt deferred unscored, a deadline too short for deferral answered by the small
+model flagged (never EXPIRED), a failed large run the same, the reply's metadata and the
+metrics. The real-weights run of the stage is at the end (Gemma 3 small, Qwen 0.5B large)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from workers import reply_metadata as meta
+from workers.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+    TranslationRequest,
+)
+from workers.metrics import WorkerMetrics
+from workers.stages.cascade.rules import CascadeThresholds
+from workers.stages.cascade.stage import SUFFIX, CascadeEngine, LargeRunTimes
+
+SOURCE = "Your replacement device will be shipped tomorrow."
+GOOD_DE = "Ihr Ersatzgerät wird morgen verschickt."
+DOUBTFUL_DE = "Ihr Gerät wird bald geschickt."
+LARGE_DE = "Ihr Ersatzgerät wird morgen versendet."
+THRESHOLDS = CascadeThresholds("small", "large", "large_logprob", {"en-de": -1.0}, pooled=-1.0)
+
+
+@dataclass
+class Scripted:
+    """Answers at once: `answer(text)` for translations, `score(answer)` for score requests
+    (None: the scoring fails); records what it was asked."""
+
+    answer: Callable[[TranslationRequest], tuple[str, FinishReason]]
+    score: Callable[[str], float | None] = lambda _a: -0.5
+    model_version: str = "scripted"
+    languages: tuple[str, ...] = ("en", "de")
+    translations: list[TranslationRequest] = field(default_factory=list)
+    scored: list[str] = field(default_factory=list)
+    started: bool = False
+
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        self.translations.append(request)
+        text, reason = self.answer(request)
+        handle = RequestHandle(request.request_id, lambda _rid: None)
+        result = GenerationResult(request.request_id, [1, 2, 3], text, reason, 10, 3)
+        handle.set_result(result)
+        return handle
+
+    def score_request(self, text: str, source_lang: str, target_lang: str, answer: str,
+                      *, request_id: str | None = None,
+                      deadline: float | None = None) -> GenerationRequest:  # fmt: skip
+        self.scored.append(answer)
+        return GenerationRequest(request_id or "s", [0], score_from=0, deadline=deadline)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        value = self.score(self.scored[-1])
+        handle = RequestHandle(request.request_id, lambda _rid: None)
+        reason = FinishReason.STOP if value is not None else FinishReason.ERROR
+        handle.set_result(
+            GenerationResult(request.request_id, [1], "", reason, logprob=value, scored_tokens=5)
+        )
+        return handle
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.started = False
+
+
+def _small(text: str = GOOD_DE) -> Scripted:
+    return Scripted(lambda _r: (text, FinishReason.STOP))
+
+
+def _large(score: Callable[[str], float | None] = lambda a: -0.5 if a == GOOD_DE else -2.0,
+           reason: FinishReason = FinishReason.STOP) -> Scripted:  # fmt: skip
+    return Scripted(lambda _r: (LARGE_DE, reason), score=score)
+
+
+def _run(stage: CascadeEngine, deadline: float | None = None) -> GenerationResult:
+    request = TranslationRequest("r1", SOURCE, "en", "de", deadline=deadline)
+    return stage.submit_translation(request).result(timeout=1)
+
+
+def test_an_answer_above_its_threshold_is_kept_with_its_score() -> None:
+    small, large = _small(GOOD_DE), _large()
+    result = _run(CascadeEngine(small, large=large, thresholds=THRESHOLDS))
+    assert result.text == GOOD_DE and result.request_id == "r1" and not result.flagged
+    assert result.notes[meta.CASCADE] == "small"
+    assert result.notes[meta.CASCADE_SCORE] == "-0.500"
+    assert large.scored == [GOOD_DE] and large.translations == []
+
+
+def test_an_answer_below_its_threshold_goes_to_the_large_model() -> None:
+    small, large = _small(DOUBTFUL_DE), _large()
+    stage = CascadeEngine(small, large=large, thresholds=THRESHOLDS)
+    result = _run(stage)
+    assert result.text == LARGE_DE and result.request_id == "r1"
+    assert result.notes[meta.CASCADE] == "deferred"
+    assert result.notes[meta.CASCADE_REASON] == "score"
+    assert result.notes[meta.CASCADE_SCORE] == "-2.000"
+    (asked,) = large.translations
+    assert asked.request_id == "r1" + SUFFIX and asked.prompt_form is None
+    assert result.tokens_out == 6  # both runs' work
+    assert stage.outcomes[("de", "deferred")] == 1
+
+
+def test_an_answer_the_checks_doubt_is_deferred_without_a_score() -> None:
+    small, large = _small("Ihre Bestellung 4711 wird morgen verschickt."), _large()  # 4711?
+    result = _run(CascadeEngine(small, large=large, thresholds=THRESHOLDS))
+    assert result.notes[meta.CASCADE] == "deferred"
+    assert result.notes[meta.CASCADE_REASON] == "check"
+    assert meta.CASCADE_SCORE not in result.notes
+    assert large.scored == []
+
+
+def test_a_deadline_too_short_for_deferral_sends_the_small_answer_flagged() -> None:
+    now = [100.0]
+    times = LargeRunTimes(score_s=0.3, translate_s=1.0)
+
+    def slow_score(answer: str) -> float:
+        now[0] += 0.5  # the scoring took 0.5 s
+        return -2.0
+
+    small, large = _small(DOUBTFUL_DE), _large(score=slow_score)
+    stage = CascadeEngine(small, large=large, thresholds=THRESHOLDS, times=times,
+                          clock=lambda: now[0])  # fmt: skip
+    late = _run(stage, deadline=100.5)  # 0.5 s left: not enough to score and translate
+    assert late.finish_reason is FinishReason.STOP and late.text == DOUBTFUL_DE
+    assert late.flagged and late.notes[meta.CASCADE] == "deadline"
+    assert late.notes[meta.CASCADE_REASON] == "late"
+    assert large.scored == [] and large.translations == []
+    # 1.4 s left: enough to start scoring, but the scoring took 0.5 s, leaving too little
+    scored = _run(stage, deadline=101.4)
+    assert scored.notes[meta.CASCADE] == "deadline" and scored.notes[meta.CASCADE_SCORE]
+    assert large.scored == [DOUBTFUL_DE] and large.translations == []
+    assert times.estimate("score") == pytest.approx(0.3 + 0.2 * (0.5 - 0.3))  # learnt
+    now[0] = 200.0
+    assert _run(stage, deadline=203.0).notes[meta.CASCADE] == "deferred"
+
+
+def test_a_failed_or_expired_large_run_sends_the_small_answer_flagged() -> None:
+    for reason, why in ((FinishReason.EXPIRED, "late"), (FinishReason.ERROR, "failed")):
+        small, large = _small(DOUBTFUL_DE), _large(reason=reason)
+        result = _run(CascadeEngine(small, large=large, thresholds=THRESHOLDS))
+        assert result.ok and result.text == DOUBTFUL_DE and result.flagged
+        assert result.notes[meta.CASCADE] == "deadline"
+        assert result.notes[meta.CASCADE_REASON] == why
+    small, large = _small(DOUBTFUL_DE), _large(score=lambda _a: None)  # the scoring fails
+    result = _run(CascadeEngine(small, large=large, thresholds=THRESHOLDS))
+    assert result.flagged and result.notes[meta.CASCADE_REASON] == "failed"
+
+
+def test_a_failed_small_run_passes_through_and_the_small_signal_needs_its_scorer() -> None:
+    small = Scripted(lambda _r: ("", FinishReason.EXPIRED))
+    large = _large()
+    result = _run(CascadeEngine(small, large=large, thresholds=THRESHOLDS))
+    assert result.finish_reason is FinishReason.EXPIRED and meta.CASCADE not in result.notes
+    own = CascadeThresholds("small", "large", "small_logprob", {}, pooled=-1.0)
+    with pytest.raises(ValueError, match="small model's engine"):
+        CascadeEngine(small, large=large, thresholds=own)
+    scorer = _large(score=lambda _a: -0.2)
+    kept = _run(CascadeEngine(_small(), large=large, thresholds=own, small_scorer=scorer))  # type: ignore[arg-type]
+    assert kept.notes[meta.CASCADE] == "small" and scorer.scored and not large.scored
+
+
+def test_metrics_start_stop_and_the_cache_key_note() -> None:
+    metrics = WorkerMetrics(registry=CollectorRegistry())
+    small, large = _small(DOUBTFUL_DE), _large()
+    stage = CascadeEngine(small, large=large, thresholds=THRESHOLDS)
+    stage.bind_metrics(metrics)
+    stage.start()
+    assert large.started and small.started
+    _run(stage)
+    stage.stop()
+    assert not large.started
+    reg = metrics.registry
+    assert (
+        reg.get_sample_value("tolk_cascade_outcomes_total", {"lang": "de", "outcome": "deferred"})
+        == 1.0
+    )
+    assert reg.get_sample_value("tolk_cascade_score_count", {"lang": "de"}) == 1.0
+    assert stage.key_note.startswith("cascade=scripted,signal=large_logprob")
+
+
+@pytest.mark.slow
+def test_the_cascade_on_real_models_defers_by_the_large_models_score(
+    gemma3: Any, qwen05: Any
+) -> None:
+    """Gemma 3 270M answers, Qwen 0.5B scores every answer and translates the ones under a
+    threshold set between the scores seen: each reply is the model's own that it names."""
+    from workers.engine.engine import Engine, EngineConfig
+
+    small = Engine(gemma3, EngineConfig(kv_cache_tokens=4096))
+    large = Engine(qwen05, EngineConfig(kv_cache_tokens=4096))
+    texts = [SOURCE, "Thank you for waiting.", "The invoice is attached to this message."]
+    # the scores themselves, to put a threshold between them
+    answers = [r.text for r in small.generate(
+        [small.translation_request(t, "en", "de") for t in texts])]  # fmt: skip
+    pairs = zip(texts, answers, strict=True)
+    scores = [r.logprob for r in large.generate(
+        [large.score_request(t, "en", "de", a) for t, a in pairs])]  # fmt: skip
+    assert all(s is not None and s < 0 for s in scores)
+    ordered = sorted(s for s in scores if s is not None)
+    middle = (ordered[0] + ordered[1]) / 2  # the lowest-scoring answer goes to the large model
+    thresholds = CascadeThresholds("gemma3-270m", "qwen2.5-coder-0.5b", "large_logprob",
+                                   {"en-de": middle}, pooled=middle)  # fmt: skip
+    stage = CascadeEngine(small, large=large, thresholds=thresholds)
+    stage.start()
+    try:
+        handles = [
+            stage.submit_translation(TranslationRequest(f"r{i}", t, "en", "de"))
+            for i, t in enumerate(texts)
+        ]
+        results = [h.result(timeout=300) for h in handles]
+    finally:
+        stage.stop()
+    outcomes = [r.notes[meta.CASCADE] for r in results]
+    low = scores.index(ordered[0])
+    assert outcomes.count("deferred") >= 1 and outcomes[low] == "deferred"
+    for result, answer, outcome in zip(results, answers, outcomes, strict=True):
+        assert result.ok and result.text
+        if outcome == "small":
+            assert result.text == answer
+
+
+def test_the_worker_refuses_a_cascade_its_thresholds_were_not_calibrated_for(
+    tmp_path: Any,
+) -> None:
+    """`tolk worker --cascade`: the large model's scores have its own scale, so thresholds
+    calibrated with another scoring model refuse the start (with the command that calibrates),
+    as do a cascade onto the served model itself and a thresholds file that is not one."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from workers.engine.engine import EngineConfig
+    from workers.worker_start import StartRefused, WorkerPlan, _cascade_setup
+
+    def plan(cascade: str, thresholds: Path | None = None) -> WorkerPlan:
+        return WorkerPlan(
+            device="cpu", resolved_device="cpu", triton_kernels=False, cuda_graphs=False,
+            quantize=None, compile_decode=None, auto=True, tm_examples=0, tm_dir=tmp_path,
+            faithful=True, faithful_policy="withhold", protect_spans=False, cache=False,
+            context=False, cascade=cascade, cascade_thresholds=thresholds,
+        )  # fmt: skip
+
+    gemma = SimpleNamespace(model="gemma3-270m")
+    config = EngineConfig(model="gemma3-270m")
+    by_large = tmp_path / "large.json"
+    CascadeThresholds("gemma3-270m", "qwen2.5-coder-1.5b", "large_logprob", {}, -1.0).save(by_large)
+    with pytest.raises(StartRefused, match="calibrate them: python -m bench.cascade") as refused:
+        _cascade_setup(gemma, plan("qwen2.5-coder-0.5b", by_large), tmp_path, config)
+    assert refused.value.option == "--cascade-thresholds"
+    by_small = tmp_path / "small.json"
+    CascadeThresholds("gemma3-270m", "qwen2.5-coder-1.5b", "small_total", {}, -9.0).save(by_small)
+    smol = SimpleNamespace(model="smollm2-135m")  # scored by a small model it was not fit on
+    with pytest.raises(StartRefused, match="calibrated with gemma3-270m"):
+        _cascade_setup(smol, plan("qwen2.5-coder-1.5b", by_small), tmp_path, config)
+    with pytest.raises(StartRefused, match="already serves"):
+        _cascade_setup(gemma, plan("gemma3-270m"), tmp_path, config)
+    (tmp_path / "t.json").write_text("[]")
+    with pytest.raises(StartRefused, match="not a cascade thresholds file"):
+        _cascade_setup(gemma, plan("smollm2-135m", tmp_path / "t.json"), tmp_path, config)

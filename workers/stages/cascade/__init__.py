@@ -1,0 +1,1 @@
+"""Cascade: the small model answers, the large model only where the small one is likely wrong."""

@@ -1,0 +1,302 @@
+"""`CascadeEngine`: the small model answers; the large model only where the small one is likely
+wrong, if the request's deadline still allows it (issue #44, `tolk worker --cascade MODEL`).
+
+Flow of one request:
+
+1. The small model (the stages inside, down to the fair engine) translates it.
+2. A failed or cancelled small run passes through unchanged. Otherwise the answer is checked
+   (`workers.stages.faithful.rules.check`: wrong language, an invented number, a dropped span or
+   name, a copied example, a loop): a doubted answer is deferred without a score.
+3. Else it is scored: `Engine.score_request` on the scoring engine (the large model for the
+   `large_logprob` signal, the small model's own engine for `small_logprob` and `small_total`;
+   the signal is the thresholds file's), one prefill, no decoding. Below its pair's threshold
+   (`CascadeThresholds.decide`) it is deferred; else the small answer goes out (`small`).
+4. A deferred request is translated by the large model under `<id>~cascade`, with the same
+   deadline and its own default prompt form. Its answer goes out (`deferred`), carrying the work
+   of both runs.
+5. Whenever the deadline leaves too little time for what is left (the scoring, then the large
+   model's translation, each estimated by `LargeRunTimes`: a moving average of what they took,
+   from priors), and when the large run fails or expires, the small answer goes out
+   **flagged** (`deadline`): never an EXPIRED reply for a request the small model answered.
+
+The reply says what happened (`workers/reply_metadata.py`): `tolk.cascade` = small / deferred /
+deadline, `tolk.cascade.score` (when computed) and `tolk.cascade.reason` (score, check, late,
+failed); the worker's metrics count `tolk_cascade_outcomes_total{lang, outcome}` and observe
+`tolk_cascade_score{lang}`.
+
+Its place (workers/serving/pipeline.py): innermost, directly around the fair engine of the
+small model, so the faithfulness stage outside checks whichever answer goes out and the cache
+keys answers by the cascade (`key_note`). The large model's engine is the stage's own: it
+starts and stops with it. Callbacks run on the engines' threads: a check (~1 ms) and at most
+one submit each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from workers import reply_metadata as meta
+from workers.engine.prompts import prompt_examples
+from workers.engine.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestHandle,
+    TranslationEngine,
+    TranslationRequest,
+)
+from workers.stages.cascade.rules import SCORER, CascadeThresholds, Deferral, signal_value
+from workers.stages.faithful.rules import check
+from workers.stages.retry import RetryJob
+from workers.stages.wrapper import EngineWrapper, merged_runs
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup", "LargeRunTimes"]
+
+OUTCOMES = ("small", "deferred", "deadline")
+SUFFIX = "~cascade"  # the large model's request id
+SCORE_SUFFIX = "~score"
+
+
+class Scorer(Protocol):
+    """An engine that scores answers (`workers.engine.engine.Engine`)."""
+
+    def score_request(
+        self,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        answer: str,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> GenerationRequest: ...
+
+    def submit(self, request: GenerationRequest) -> RequestHandle: ...
+
+
+class _CascadeMetrics(Protocol):
+    cascade_outcomes_total: Any  # a prometheus Counter labelled (lang, outcome)
+    cascade_score: Any  # a prometheus Histogram labelled (lang)
+
+
+class LargeRunTimes:
+    """What the deferred path costs, to tell whether a deadline still allows it: a moving
+    average of the seconds a scoring and a large-model translation took, from priors (the
+    1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate one, docs/BENCHMARKS.md).
+    Thread-safe (both engines' threads record)."""
+
+    def __init__(self, score_s: float = 0.3, translate_s: float = 1.0, weight: float = 0.2):
+        self._s = {"score": score_s, "translate": translate_s}
+        self.weight = weight
+        self._lock = threading.Lock()
+
+    def estimate(self, kind: str) -> float:
+        with self._lock:
+            return self._s[kind]
+
+    def record(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._s[kind] += self.weight * (seconds - self._s[kind])
+
+    def fits(self, deadline: float | None, now: float, *kinds: str) -> bool:
+        """Whether `kinds` run one after another finish before `deadline` (None: always)."""
+        return deadline is None or now + sum(self.estimate(k) for k in kinds) <= deadline
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeSetup:
+    """What `tolk worker --cascade` builds for the stage (workers/worker_start.py): the large
+    model's engine and the thresholds; the pipeline's builder makes the stage of it."""
+
+    large: Any  # workers.engine.engine.Engine
+    thresholds: CascadeThresholds
+
+
+@dataclass(slots=True)
+class _Job:
+    """What the stage keeps about one request (its `RetryJob.state`)."""
+
+    small: GenerationResult | None = None
+    deferral: Deferral | None = None
+    started: float = 0.0  # when the current large-model run was submitted
+
+
+class CascadeEngine(EngineWrapper):
+    """Wraps the small model's engine with the deferral to a large one (module notes)."""
+
+    def __init__(
+        self,
+        inner: TranslationEngine,
+        *,
+        large: Any,  # the large model's Engine: submit_translation, score_request, submit
+        thresholds: CascadeThresholds,
+        small_scorer: Scorer | None = None,  # the small model's Engine (small_logprob)
+        times: LargeRunTimes | None = None,
+        examples: Sequence[Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: _CascadeMetrics | None = None,
+    ) -> None:
+        by_small = SCORER[thresholds.signal] == "small"
+        if by_small and small_scorer is None:
+            raise ValueError(
+                f"the {thresholds.signal} signal needs the small model's engine to score"
+            )
+        self.inner = inner
+        self.large = large
+        self.thresholds = thresholds
+        self.scorer: Scorer = small_scorer if by_small else large  # type: ignore[assignment]
+        self.times = times or LargeRunTimes()
+        self.examples = list(examples) if examples is not None else prompt_examples()
+        self.clock = clock
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
+        share = thresholds.defer_share
+        self.key_note = (
+            f"cascade={large.model_version},signal={thresholds.signal},"
+            f"share={'' if share is None else f'{share:g}'}"
+        )
+
+    # -- TranslationEngine -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.large.start()
+        self.inner.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.inner.stop(drain=drain, timeout=timeout)
+        self.large.stop(drain=drain, timeout=timeout)
+
+    def bind_metrics(self, metrics: _CascadeMetrics) -> None:
+        self._metrics = metrics
+
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        job = RetryJob(request, _Job())
+        job.run(self.inner, lambda result: self._on_small(job, result))
+        return job.handle
+
+    # -- the runs -------------------------------------------------------------------------------
+
+    def _on_small(self, job: RetryJob, small: GenerationResult) -> None:
+        state: _Job = job.state
+        state.small = small
+        r = job.request
+        if not small.ok or job.cancelled:
+            job.resolve(small)
+            return
+        if self._suspect(r, small):
+            state.deferral = Deferral(True, "check", None, None)
+            self._defer(job)
+            return
+        if not self.times.fits(r.deadline, self.clock(), "score", "translate"):
+            self._late(job, "late")
+            return
+        try:
+            scoring = self.scorer.score_request(
+                r.text, r.source_lang, r.target_lang, small.text,
+                request_id=r.request_id + SCORE_SUFFIX, deadline=r.deadline,
+            )  # fmt: skip
+            state.started = self.clock()
+            self.scorer.submit(scoring).add_done_callback(lambda s: self._on_score(job, s))
+        except Exception as exc:  # the large engine is stopping, or the answer has no tokens
+            log.warning("cascade: %s not scored (%s): the small answer", r.request_id, exc)
+            self._late(job, "failed")
+
+    def _on_score(self, job: RetryJob, scored: GenerationResult) -> None:
+        state: _Job = job.state
+        r = job.request
+        if not scored.ok or scored.logprob is None:
+            self._late(job, "late" if scored.finish_reason is FinishReason.EXPIRED else "failed")
+            return
+        self.times.record("score", self.clock() - state.started)
+        if self._metrics is not None:
+            self._metrics.cascade_score.labels(lang=r.target_lang).observe(scored.logprob)
+        value = signal_value(self.thresholds.signal, scored.logprob, scored.scored_tokens)
+        state.deferral = self.thresholds.decide(r.source_lang, r.target_lang, value)
+        if not state.deferral.defer:
+            assert state.small is not None
+            self._answer(job, "small", self._noted(state.small, "small", state.deferral))
+            return
+        if job.cancelled or not self.times.fits(r.deadline, self.clock(), "translate"):
+            self._late(job, "late")
+            return
+        self._defer(job)
+
+    def _defer(self, job: RetryJob) -> None:
+        state: _Job = job.state
+        if job.cancelled:
+            job.resolve(state.small)  # type: ignore[arg-type]
+            return
+        try:  # the large model, its own prompt form, the same deadline and examples
+            state.started = self.clock()
+            job.rerun(self.large, SUFFIX, lambda big: self._on_large(job, big), prompt_form=None)
+        except Exception as exc:
+            rid = job.request.request_id
+            log.warning("cascade: %s not deferred (%s): the small answer", rid, exc)
+            self._late(job, "failed")
+
+    def _on_large(self, job: RetryJob, big: GenerationResult) -> None:
+        state: _Job = job.state
+        small = state.small
+        assert small is not None
+        if big.finish_reason is FinishReason.CANCELLED:
+            job.resolve(merged_runs(small, big, job.request.request_id))
+            return
+        if not big.ok:
+            self._late(job, "late" if big.finish_reason is FinishReason.EXPIRED else "failed")
+            return
+        self.times.record("translate", self.clock() - state.started)
+        merged = merged_runs(small, big, job.request.request_id)
+        self._answer(job, "deferred", self._noted(merged, "deferred", state.deferral))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _suspect(self, r: TranslationRequest, small: GenerationResult) -> bool:
+        try:
+            found = check(
+                r.text, small.text, self.examples, r.target_lang,
+                source_lang=r.source_lang, languages=self.languages,
+            )  # fmt: skip
+        except Exception:  # a detector's bug: decide by the score alone
+            log.exception("cascade: checks failed on %s", r.request_id)
+            return False
+        return found.suspect
+
+    def _late(self, job: RetryJob, reason: str) -> None:
+        """The small answer, flagged: deferral did not fit the deadline or failed."""
+        state: _Job = job.state
+        small = state.small
+        assert small is not None
+        score = state.deferral.score if state.deferral is not None else None
+        notes = {**small.notes, meta.CASCADE: "deadline", meta.CASCADE_REASON: reason}
+        if score is not None:
+            notes[meta.CASCADE_SCORE] = f"{score:.3f}"
+        self._answer(job, "deadline", dataclasses.replace(small, notes=notes, flagged=True))
+
+    @staticmethod
+    def _noted(
+        result: GenerationResult, outcome: str, deferral: Deferral | None
+    ) -> GenerationResult:
+        notes = {**result.notes, meta.CASCADE: outcome}
+        if deferral is not None:
+            if deferral.score is not None:
+                notes[meta.CASCADE_SCORE] = f"{deferral.score:.3f}"
+            notes[meta.CASCADE_REASON] = deferral.reason or "score"
+        return dataclasses.replace(result, notes=notes)
+
+    def _answer(self, job: RetryJob, outcome: str, result: GenerationResult) -> None:
+        lang = job.request.target_lang
+        with self._lock:
+            self.outcomes[(lang, outcome)] += 1
+        if self._metrics is not None:
+            self._metrics.cascade_outcomes_total.labels(lang=lang, outcome=outcome).inc()
+        job.resolve(result)
