@@ -135,8 +135,8 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         decode_step_s=cap.step_s,
     )  # fmt: skip
     del loaded  # the engine holds it; a switch of configuration must be able to free it
-    cascade = (
-        _cascade_setup(settings, plan, root, engine_config) if plan.cascade is not None else None
+    cascade = (  # the large model on the device and paths the small one was given
+        _cascade_setup(settings, plan, root, selection.config) if plan.cascade is not None else None
     )
     final = selection.config  # the translation cache keeps each weight format's answers apart
     # the stages and their order (which one sees which request): workers/serving/pipeline.py

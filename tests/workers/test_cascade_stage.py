@@ -271,3 +271,34 @@ def test_the_worker_refuses_a_cascade_its_thresholds_were_not_calibrated_for(
     (tmp_path / "t.json").write_text("[]")
     with pytest.raises(StartRefused, match="not a cascade thresholds file"):
         _cascade_setup(gemma, plan("smollm2-135m", tmp_path / "t.json"), tmp_path, config)
+
+
+@pytest.mark.slow
+def test_the_worker_builds_the_large_engine_on_the_small_ones_device(tmp_path: Any) -> None:
+    """`tolk worker --cascade` builds the large model's engine from the small one's final
+    configuration (the device resolved, not "auto"), with the large model's own weights."""
+    from types import SimpleNamespace
+
+    from workers.engine.engine import EngineConfig
+    from workers.worker_start import WorkerPlan, _cascade_setup
+
+    thresholds = tmp_path / "t.json"
+    CascadeThresholds("gemma3-270m", "qwen2.5-coder-0.5b", "small_total", {}, -9.0).save(thresholds)
+    plan = WorkerPlan(
+        device="auto", resolved_device="cpu", triton_kernels=False, cuda_graphs=False,
+        quantize=None, compile_decode=None, auto=False, tm_examples=0, tm_dir=tmp_path,
+        faithful=True, faithful_policy="withhold", protect_spans=False, cache=False,
+        context=False, cascade="qwen2.5-coder-0.5b", cascade_thresholds=thresholds,
+    )  # fmt: skip
+    small = EngineConfig(model="gemma3-270m", device="cpu", kv_cache_tokens=2048)
+    setup = _cascade_setup(SimpleNamespace(model="gemma3-270m"), plan, tmp_path, small)
+    try:
+        assert setup.large.config.model == "qwen2.5-coder-0.5b"
+        assert setup.large.config.device == "cpu" and setup.large.config.draft is None
+        assert setup.thresholds.signal == "small_total"
+        (result,) = setup.large.generate(
+            [setup.large.translation_request("Thank you for waiting.", "en", "de")]
+        )
+        assert result.ok and result.text
+    finally:
+        del setup
