@@ -102,11 +102,19 @@ def test_a_preempted_scoring_request_starts_its_sum_again() -> None:
     assert (chunk.seq.logprob_sum, chunk.seq.num_scored) == (0.0, 0)
 
 
+def private_qwen05() -> Any:
+    """The 0.5B preset loaded for this test alone (float32): the session's `qwen05` may already
+    be prepared with another weight format by the test before, and swaps cannot be undone."""
+    from workers.engine.loader import load_model
+
+    return load_model("qwen2.5-coder-0.5b", dtype=torch.float32, device="cpu")
+
+
 @pytest.mark.slow
-def test_qwen_prefers_its_own_translation_to_a_corrupted_one(qwen05: Any) -> None:
+def test_qwen_prefers_its_own_translation_to_a_corrupted_one() -> None:
     """Real weights (the 0.5B preset): the score ranks an answer the model itself gave above
     the same answer with a wrong number and a dropped clause, through the engine's own prompt."""
-    engine = Engine(qwen05, EngineConfig(kv_cache_tokens=4096))
+    engine = Engine(private_qwen05(), EngineConfig(kv_cache_tokens=4096))
     text = "Your order 4711 will arrive on Monday, and the invoice is in your account."
     (own,) = engine.generate([engine.translation_request(text, "en", "de")])
     good, bad = engine.generate(

@@ -194,15 +194,14 @@ def test_metrics_start_stop_and_the_cache_key_note() -> None:
 
 
 @pytest.mark.slow
-def test_the_cascade_on_real_models_defers_by_the_large_models_score(
-    gemma3: Any, qwen05: Any
-) -> None:
+def test_the_cascade_on_real_models_defers_by_the_large_models_score(gemma3: Any) -> None:
     """Gemma 3 270M answers, Qwen 0.5B scores every answer and translates the ones under a
     threshold set between the scores seen: each reply is the model's own that it names."""
+    from tests.engine.test_scoring import private_qwen05
     from workers.engine.engine import Engine, EngineConfig
 
     small = Engine(gemma3, EngineConfig(kv_cache_tokens=4096))
-    large = Engine(qwen05, EngineConfig(kv_cache_tokens=4096))
+    large = Engine(private_qwen05(), EngineConfig(kv_cache_tokens=4096))  # float32, its own
     texts = [SOURCE, "Thank you for waiting.", "The invoice is attached to this message."]
     # the scores themselves, to put a threshold between them
     answers = [r.text for r in small.generate(
