@@ -214,7 +214,7 @@ def set_indices(items: Sequence[Item]) -> dict[str, list[int]]:
 
 
 def evaluate(
-    thresholds: CascadeThresholds,
+    thresholds_of: Callable[[int], CascadeThresholds],
     items: Sequence[Item],
     indices: Sequence[int],
     scores: Sequence[float | None],
@@ -222,10 +222,10 @@ def evaluate(
     small: np.ndarray,
     large: np.ndarray,
 ) -> dict[str, Any]:
-    """The cascade with `thresholds` on `indices`: share deferred, its chrF, and the large
-    model's chrF minus the cascade's with its paired-bootstrap interval."""
+    """The cascade on `indices`, item i decided by `thresholds_of(i)`: share deferred, its
+    chrF, and the large model's chrF minus the cascade's with its paired-bootstrap interval."""
     decisions = [
-        thresholds.decide(items[i].source_lang, items[i].target_lang, scores[i], flags[i])
+        thresholds_of(i).decide(items[i].source_lang, items[i].target_lang, scores[i], flags[i])
         for i in indices
     ]
     deferred = np.array([d.defer for d in decisions])
@@ -278,44 +278,14 @@ def calibrate_and_evaluate(
     groups = {"all": everything, **set_indices(items), **pair_indices(items)}
     report: dict[str, Any] = {"thresholds": full.to_json(), "in_sample": {}, "held_out": {}}
     for name, indices in groups.items():
-        report["in_sample"][name] = evaluate(full, items, indices, scores, flags, small, large)
+        report["in_sample"][name] = evaluate(
+            lambda _i: full, items, indices, scores, flags, small, large
+        )
         # held out: each item decided by the thresholds of the fold it is not in
-        held = [i for i in indices if i % 2 == 0], [i for i in indices if i % 2 == 1]
-        report["held_out"][name] = _evaluate_folds(
-            fold_thresholds, held, items, scores, flags, small, large
+        report["held_out"][name] = evaluate(
+            lambda i: fold_thresholds[i % 2], items, indices, scores, flags, small, large
         )
     return report
-
-
-def _evaluate_folds(
-    fold_thresholds: Sequence[CascadeThresholds],
-    held: tuple[list[int], list[int]],
-    items: Sequence[Item],
-    scores: Sequence[float | None],
-    flags: Sequence[bool],
-    small: np.ndarray,
-    large: np.ndarray,
-) -> dict[str, Any]:
-    deferred: dict[int, bool] = {}
-    for thresholds, indices in zip(fold_thresholds, held, strict=True):
-        for i in indices:
-            item = items[i]
-            deferred[i] = thresholds.decide(
-                item.source_lang, item.target_lang, scores[i], flags[i]
-            ).defer
-    order = sorted(deferred)
-    mask = np.array([deferred[i] for i in order])
-    s, la = small[order], large[order]
-    c = cascade_stats(s, la, mask)
-    diff = paired_bootstrap(c, la, chrf_from_sums)
-    share = float(mask.mean()) if len(mask) else 0.0
-    return {
-        "n": len(order),
-        "deferred_share": round(share, 3),
-        "cascade_chrF": round(chrf(c), 2),
-        "large_minus_cascade": [round(diff.estimate, 2), round(diff.low, 2), round(diff.high, 2)],
-        "met": diff.estimate <= WITHIN_CHRF and share <= MAX_SHARE,
-    }
 
 
 # -- the run --------------------------------------------------------------------------------
