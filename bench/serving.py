@@ -18,6 +18,8 @@ The kind of benchmark DistServe, vLLM's `bench serve` and MLPerf Server run, ove
     state; the time to both is in the JSON's `starts`);
   - `llama-http`: llama.cpp's llama-server (`bench/build_llama_server.sh`) on the same GGUF,
     same prompt text, stop rule and output cap, straight over HTTP;
+  - `llama-http-draft`: the same with speculative decoding on `--llama-draft`'s model (`-md`),
+    so one run holds llama-server with and without it (issue #43: the anchor is its best);
   - `llama-kafka`: the same server behind a minimal bolt-on Kafka consumer, driven by the
     same client as tolk (bench/serving_llamaserver.py).
 * **Figures** per system, point and language (bench/serving_stats.py): P50/P95/P99 from the
@@ -57,7 +59,7 @@ from bench.serving_stats import (
     schedule,
 )
 
-SYSTEMS = ("tolk", "llama-http", "llama-kafka")
+SYSTEMS = ("tolk", "llama-http", "llama-http-draft", "llama-kafka")
 Request = tuple[float, str, str, str]  # (offset_s, target, source, text)
 Driver = Callable[[Sequence[Request]], tuple[list[Outcome], float]]
 
@@ -162,13 +164,14 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
         server = llama.LlamaServer(
             binary, gguf, threads=args.llama_threads, parallel=args.llama_parallel,
             ctx_per_slot=args.llama_ctx_per_slot, cache_reuse=args.llama_cache_reuse,
-            log_path=logs / f"{prefix}llama-server.log", extra=llama_draft_args(args),
+            log_path=logs / f"{prefix}llama-server.log",
+            extra=llama_draft_args(args) if system == "llama-http-draft" else [],
         )  # fmt: skip
         stack.enter_context(server)
         info.update(llama_server_cmd=" ".join(server.cmd), gguf=str(gguf))
         info["start_to_healthy_s"] = round(time.monotonic() - t0, 1)
         arch = llama.gguf_arch(gguf)
-        if system == "llama-http":
+        if system in ("llama-http", "llama-http-draft"):
             prompts = llama.PromptTexts(arch)
 
             def http(reqs: Sequence[Request]) -> tuple[list[Outcome], float]:
@@ -212,6 +215,8 @@ def run(args: argparse.Namespace) -> JSON:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
+    if "llama-http-draft" in systems and not args.llama_draft:
+        raise SystemExit("llama-http-draft needs --llama-draft MODEL (a preset or a .gguf)")
     logs = Path(args.logs or tempfile.mkdtemp(prefix="tolk-serving-"))
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[JSON] = []
@@ -315,7 +320,8 @@ def report(args: argparse.Namespace, points: list[dict[str, Any]], runs: list[JS
 
 
 def llama_draft_args(args: argparse.Namespace) -> list[str]:
-    """llama-server's flags for `--llama-draft` (none without one)."""
+    """llama-server's flags for `--llama-draft` (none without one); the `llama-http-draft`
+    system's only difference from `llama-http`."""
     if not args.llama_draft:
         return []
     from workers.engine.loader import resolve_source
@@ -327,7 +333,9 @@ def llama_draft_args(args: argparse.Namespace) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="tolk,llama-http,llama-kafka")
+    p.add_argument(
+        "--systems", default="tolk,llama-http,llama-kafka", help=f"of {','.join(SYSTEMS)}"
+    )
     p.add_argument("--rates", default="1,2,4", help="total requests/s of the sweep points")
     p.add_argument("--mix", default="de=0.5,en=0.5", help="each language's share of a total")
     p.add_argument("--rate", default=None, help="one point of absolute rates: de=3,en=0.1")
@@ -362,8 +370,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--llama-draft",
         default=None,
-        help="llama-server's speculative decoding: a draft model (a preset or a GGUF path) "
-        "passed as -md, with --draft-max --llama-draft-max",
+        help="the llama-http-draft system's draft model (a preset or a GGUF path), passed to "
+        "llama-server as -md with --draft-max --llama-draft-max",
     )
     p.add_argument("--llama-draft-max", type=int, default=16)
     p.add_argument("--llama-ctx-per-slot", type=int, default=1024)

@@ -397,3 +397,11 @@ def test_llama_server_speculates_with_the_draft_model_asked_for(tmp_path: Path) 
     args = parse_args(["--llama-draft", str(draft), "--llama-draft-max", "8"])
     flags = llama_draft_args(args)
     assert flags[:4] == ["-md", str(draft), "--draft-max", "8"]
+
+
+def test_llama_http_draft_refuses_to_start_without_a_draft_model() -> None:
+    """The speculating anchor without a draft would be plain llama-server under another name."""
+    from bench.serving import parse_args, run
+
+    with pytest.raises(SystemExit, match="needs --llama-draft"):
+        run(parse_args(["--systems", "tolk,llama-http-draft", "--rates", "1"]))
