@@ -85,8 +85,9 @@ class StageMetrics:
         )
         self.cascade_score = Histogram(  # workers/stages/cascade/stage.py
             "cascade_score",
-            "The cascade's deferral signal per scored answer (a mean log-probability per "
-            "token: 0 is certain, lower is doubtful), by target language.",
+            "The mean log-probability per token of each scored answer (0 is certain, lower "
+            "is doubtful), by target language: the same scale whatever the deferral signal "
+            "(the reply's tolk.cascade.score is the signal's own value, e.g. a total).",
             ["lang"],
             namespace=ns,
             registry=registry,

@@ -112,6 +112,7 @@ def test_dashboard_json_is_well_formed() -> None:
         "cache hit rate",
         "lag",
         "time to drain",
+        "cascade",
     ):
         assert topic in titles, topic
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
@@ -181,9 +182,11 @@ def test_every_panel_returns_data_after_a_short_load(
     prometheus: dict[str, int],
     tmp_path: Path,
 ) -> None:
-    from workers.engine.engine import EngineConfig
+    from workers.engine.engine import Engine, EngineConfig
     from workers.serving.fair_engine import build_fair_engine
     from workers.serving.pipeline import ServingOptions, build_served_engine
+    from workers.stages.cascade.rules import CascadeThresholds
+    from workers.stages.cascade.stage import CascadeSetup
 
     prefix = f"t{uuid.uuid4().hex[:10]}."
     create_prefixed_topics(kafka_bootstrap, prefix, LANGS)
@@ -205,10 +208,17 @@ def test_every_panel_returns_data_after_a_short_load(
         config=EngineConfig(kv_cache_tokens=4096, max_new_tokens=MAX_NEW_TOKENS),
     )
     fair.engine.warm(LANGS)
+    # the cascade's panels need a cascade: a second engine on the same weights as its "large"
+    # model, every answer deferred (a total log-probability is never above 0)
+    large = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, max_new_tokens=MAX_NEW_TOKENS))
+    defer_all = CascadeThresholds("smollm2-135m", "smollm2-135m", "small_total", {}, pooled=0.0)
     options = ServingOptions(
-        faithful=False, cache=True, cache_variant=f"test={uuid.uuid4().hex[:8]}"
+        faithful=False,
+        cache=True,
+        cache_variant=f"test={uuid.uuid4().hex[:8]}",
+        cascade=CascadeSetup(large, defer_all),
     )
-    engine = build_served_engine(fair, settings, options)
+    engine = build_served_engine(fair, settings, options, base=fair.engine)
     worker = Worker(settings, engine, registry=CollectorRegistry())
     thread = worker.run_in_thread()
     try:

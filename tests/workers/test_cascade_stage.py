@@ -193,6 +193,94 @@ def test_metrics_start_stop_and_the_cache_key_note() -> None:
     assert stage.key_note.startswith("cascade=scripted,signal=large_logprob")
 
 
+def test_a_deferred_request_is_charged_to_its_language_in_small_model_tokens() -> None:
+    """Issue #44 item 3: the large model's tokens go on the language's fair share, scaled by
+    what a large token costs in small ones (the prior until both models' runs were timed)."""
+    charged: list[tuple[str, int, int]] = []
+    times = LargeRunTimes(cost_ratio=4.0)
+    small, large = _small(DOUBTFUL_DE), _large()
+    stage = CascadeEngine(small, large=large, thresholds=THRESHOLDS, times=times,
+                          charge=lambda *c: charged.append(c))  # fmt: skip
+    _run(stage)
+    assert charged == [("de", 40, 12)]  # the large run: 10 prompt + 3 output tokens, x4
+    kept = CascadeEngine(_small(GOOD_DE), large=_large(), thresholds=THRESHOLDS, times=times,
+                         charge=lambda *c: charged.append(c))  # fmt: skip
+    _run(kept)
+    assert len(charged) == 1  # nothing deferred, nothing charged beyond the small run
+
+
+def test_the_cost_ratio_is_learnt_from_both_models_run_times() -> None:
+    from workers.engine.types import Timings
+
+    def run(total_s: float, tokens_in: int, tokens_out: int, cached: int = 0) -> GenerationResult:
+        return GenerationResult("r", [1], "x", FinishReason.STOP, tokens_in, tokens_out,
+                                cached_tokens=cached,
+                                timings=Timings(queue_s=0.5, total_s=0.5 + total_s))  # fmt: skip
+
+    times = LargeRunTimes(cost_ratio=4.0, weight=1.0)
+    times.record_run("small", run(0.2, 60, 20, cached=50))  # 10 + 2 x 20 = 50 tokens in 0.2 s
+    assert times.cost_ratio() == 4.0  # the prior until the large model ran too
+    times.record_run("large", run(1.5, 10, 20))  # 50 tokens in 1.5 s
+    assert times.cost_ratio() == pytest.approx(7.5)
+    times.record_run("large", run(0.0, 10, 20))  # no time measured: ignored
+    assert times.cost_ratio() == pytest.approx(7.5)
+
+
+def test_a_scoring_refused_by_admission_sends_the_small_answer_flagged_late() -> None:
+    small = _small(DOUBTFUL_DE)
+    scorer = _large()
+    scorer.submit = lambda request: _done(request, FinishReason.REJECTED)  # type: ignore[method-assign]
+    own = CascadeThresholds("small", "large", "small_total", {}, pooled=-1.0)
+    result = _run(CascadeEngine(small, large=_large(), thresholds=own, small_scorer=scorer))  # type: ignore[arg-type]
+    assert result.flagged and result.notes[meta.CASCADE] == "deadline"
+    assert result.notes[meta.CASCADE_REASON] == "late"
+
+
+def _done(request: GenerationRequest, reason: FinishReason) -> RequestHandle:
+    handle = RequestHandle(request.request_id, lambda _rid: None)
+    handle.set_result(GenerationResult(request.request_id, [], "", reason))
+    return handle
+
+
+@pytest.mark.slow
+def test_scorings_go_through_the_small_models_fair_engine(gemma3: Any) -> None:
+    """Served, the small model's scorings are admitted, charged and observed by its fair engine
+    like its translations. Submitted to its Engine directly, the admission hook saw each
+    admitted and never finished, took them for a growing running batch and began refusing
+    translations (5 of 60 REJECTED at 1 req/s in the first served run)."""
+    import time
+
+    from workers.engine.engine import EngineConfig
+    from workers.fairness.policy import LanguagePolicy
+    from workers.serving.fair_engine import build_fair_engine
+    from workers.serving.pipeline import ServingOptions, build_served_engine
+    from workers.settings import Settings
+    from workers.stages.cascade.stage import CascadeSetup, FairScoring
+
+    policies = {lang: LanguagePolicy(1.0, 5.0, 64, 48) for lang in ("de", "en")}
+    fair = build_fair_engine(gemma3, policies, config=EngineConfig(kv_cache_tokens=4096))
+    fair.engine.warm(["de"])
+    own = CascadeThresholds("gemma3-270m", "large", "small_total", {}, pooled=-1e9)  # keep all
+    options = ServingOptions(faithful=False, cascade=CascadeSetup(_large(), own))
+    served = build_served_engine(fair, Settings(), options, base=fair.engine)
+    stage = served.stage("cascade")
+    assert isinstance(stage.scorer, FairScoring)
+    assert fair.admission is not None
+    served.start()
+    try:
+        texts = [SOURCE, "Thank you for waiting.", "The invoice is attached to this message."]
+        for i, text in enumerate(texts * 2):
+            request = TranslationRequest(f"q{i}", text, "en", "de",
+                                         deadline=time.monotonic() + 30)  # fmt: skip
+            result = served.submit_translation(request).result(timeout=120)
+            assert result.ok and result.notes[meta.CASCADE] == "small", result
+    finally:
+        served.stop()
+    # every admitted run was observed: nothing taken for a running request any more
+    assert fair.admission._typical_batch() == 1
+    assert stage.times.cost_ratio() == 4.0  # no large run: the prior
+
+
 @pytest.mark.slow
 def test_the_cascade_on_real_models_defers_by_the_large_models_score(gemma3: Any) -> None:
     """Gemma 3 270M answers, Qwen 0.5B scores every answer and translates the ones under a

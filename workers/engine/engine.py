@@ -472,7 +472,10 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             stats.steps += 1
             stats.steps_by_kind[kind] = stats.steps_by_kind.get(kind, 0) + 1
             stats.seconds_by_kind[kind] = stats.seconds_by_kind.get(kind, 0.0) + seconds
-            if kind == "decode" and not any(c.draft for c in out.chunks):
+            # the tuner's record of the configuration's decode speed (workers/engine/tuner.py):
+            # not the eager steps served while its graphs compile in the background
+            warming = self.compiled is not None and not self.compiled.ready
+            if kind == "decode" and not warming and not any(c.draft for c in out.chunks):
                 n, total = stats.decode_by_batch.get(len(out.chunks), (0, 0.0))
                 stats.decode_by_batch[len(out.chunks)] = (n + 1, total + seconds)
         finished = self.scheduler.update_from_output(out, sampled, self._stop_check)

@@ -98,7 +98,8 @@ class EngineStats:
     draft_tokens: int = 0  # draft tokens checked
     accepted_draft_tokens: int = 0  # of those, the ones the target agreed with
     batch_sizes: list[int] = field(default_factory=list)  # recent decode batch sizes (bounded)
-    # decode-only steps (no prefill row, no draft) by batch size: (steps, seconds), cumulative;
+    # decode-only steps (no prefill row, no draft; not the eager ones served while a compiled
+    # configuration's graphs build) by batch size: (steps, seconds), cumulative;
     # the tuner compares the served speed with the probe's (workers/engine/tuner.py)
     decode_by_batch: dict[int, tuple[int, float]] = field(default_factory=dict)
     # model steps and their seconds by kind ("decode", "mixed", "prefill": step_results.py's

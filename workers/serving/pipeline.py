@@ -43,7 +43,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.types import RequestHandle, TranslationEngine, TranslationRequest
+from workers.engine.types import (
+    GenerationRequest,
+    RequestHandle,
+    TranslationEngine,
+    TranslationRequest,
+)
 from workers.serving.fair_engine import FairEngine
 from workers.stages.wrapper import EngineWrapper
 
@@ -168,11 +173,31 @@ def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.stages.cascade.stage import CascadeEngine
+    from workers.stages.cascade.stage import CascadeEngine, FairScoring
 
     setup = b.options.cascade
-    scorer = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
-    return CascadeEngine(inner, large=setup.large, thresholds=setup.thresholds, small_scorer=scorer)
+    scorer: Any = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
+    charge = None
+    if isinstance(b.core, FairEngine):  # score and charge through the small model's fair share
+        scorer = FairScoring(scorer, b.core) if scorer is not None else None
+        charge = _queue_charge(b.core.queue)
+    return CascadeEngine(
+        inner,
+        large=setup.large,
+        thresholds=setup.thresholds,
+        small_scorer=scorer,
+        charge=charge,
+    )
+
+
+def _queue_charge(queue: Any) -> Callable[[str, int, int], None]:
+    """`queue.charge` by language (the fair queue charges a request's group)."""
+
+    def charge(lang: str, prefill_tokens: int, output_tokens: int) -> None:
+        queue.charge(GenerationRequest("~cascade-charge", [], group=lang), prefill_tokens,
+                     output_tokens)  # fmt: skip
+
+    return charge
 
 
 # The order, from the outside in (module notes): the one list.

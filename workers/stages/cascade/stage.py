@@ -52,6 +52,7 @@ from workers.engine.types import (
     TranslationEngine,
     TranslationRequest,
 )
+from workers.fairness.vtc import service_cost
 from workers.stages.cascade.rules import SCORER, CascadeThresholds, Deferral, signal_value
 from workers.stages.faithful.rules import check
 from workers.stages.retry import RetryJob
@@ -59,7 +60,7 @@ from workers.stages.wrapper import EngineWrapper, merged_runs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup", "LargeRunTimes"]
+__all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup", "FairScoring", "LargeRunTimes"]
 
 OUTCOMES = ("small", "deferred", "deadline")
 SUFFIX = "~cascade"  # the large model's request id
@@ -91,11 +92,22 @@ class _CascadeMetrics(Protocol):
 class LargeRunTimes:
     """What the deferred path costs, to tell whether a deadline still allows it: a moving
     average of the seconds a scoring and a large-model translation took, from priors (the
-    1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate one, docs/BENCHMARKS.md).
+    1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate one, docs/BENCHMARKS.md);
+    and what a large-model token costs in small-model tokens (`cost_ratio`, from each model's
+    seconds per weighted service token, prior 4: the 1.5B's P50 was 4.2x Gemma 3's), the rate
+    at which a deferred request is charged to its language's fair share.
     Thread-safe (both engines' threads record)."""
 
-    def __init__(self, score_s: float = 0.3, translate_s: float = 1.0, weight: float = 0.2):
+    def __init__(
+        self,
+        score_s: float = 0.3,
+        translate_s: float = 1.0,
+        weight: float = 0.2,
+        cost_ratio: float = 4.0,
+    ):
         self._s = {"score": score_s, "translate": translate_s}
+        self._per_token: dict[str, float] = {}  # "small" / "large" -> s per service token
+        self._ratio_prior = cost_ratio
         self.weight = weight
         self._lock = threading.Lock()
 
@@ -111,6 +123,36 @@ class LargeRunTimes:
         """Whether `kinds` run one after another finish before `deadline` (None: always)."""
         return deadline is None or now + sum(self.estimate(k) for k in kinds) <= deadline
 
+    def record_run(self, model: str, result: GenerationResult) -> None:
+        """One finished run of `model` ("small" / "large"): its service seconds per weighted
+        token (uncached prompt + 2 x output, as the fair share counts them)."""
+        tokens = service_tokens(result)
+        seconds = result.timings.total_s - result.timings.queue_s
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            old = self._per_token.get(model)
+            per = seconds / tokens
+            self._per_token[model] = per if old is None else old + self.weight * (per - old)
+
+    def cost_ratio(self) -> float:
+        """Small-model tokens one large-model token is worth (the prior until both ran)."""
+        with self._lock:
+            small, large = self._per_token.get("small"), self._per_token.get("large")
+        if not small or not large:
+            return self._ratio_prior
+        return large / small
+
+
+def service_tokens(result: GenerationResult) -> float:
+    """The weighted tokens of service a run took (`workers.fairness.vtc.service_cost`)."""
+    uncached = max(0, result.tokens_in - result.cached_tokens)
+    return service_cost(uncached, max(0, result.tokens_out))
+
+
+# charges (language, prefill tokens, output tokens) to the small model's fair share
+SmallQueueCharge = Callable[[str, int, int], None]
+
 
 @dataclass(frozen=True, slots=True)
 class CascadeSetup:
@@ -119,6 +161,35 @@ class CascadeSetup:
 
     large: Any  # workers.engine.engine.Engine
     thresholds: CascadeThresholds
+
+
+@dataclass(frozen=True, slots=True)
+class FairScoring:
+    """The small model's scoring path: requests built by its `Engine`, submitted through its
+    fair engine, so a scoring is admitted by the deadline rule, charged to its language's fair
+    share and observed by the latency model like any run of that model. (Submitted to the
+    `Engine` directly, the fair engine's admission hook saw them admitted and never finished:
+    it took them for a growing running batch and began refusing translations.)"""
+
+    builder: Scorer  # the small model's Engine: score_request
+    fair: Any  # its FairEngine: submit(GenerationRequest) -> RequestHandle
+
+    def score_request(
+        self,
+        text: str,
+        source_lang: str,
+        target_lang: str,
+        answer: str,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> GenerationRequest:
+        return self.builder.score_request(
+            text, source_lang, target_lang, answer, request_id=request_id, deadline=deadline
+        )
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        return self.fair.submit(request)
 
 
 @dataclass(slots=True)
@@ -144,6 +215,7 @@ class CascadeEngine(EngineWrapper):
         examples: Sequence[Mapping[str, str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: _CascadeMetrics | None = None,
+        charge: SmallQueueCharge | None = None,  # the small model's fair share (module notes)
     ) -> None:
         by_small = SCORER[thresholds.signal] == "small"
         if by_small and small_scorer is None:
@@ -158,6 +230,8 @@ class CascadeEngine(EngineWrapper):
         self.examples = list(examples) if examples is not None else prompt_examples()
         self.clock = clock
         self._metrics = metrics
+        self.charge = charge
+        self._by_small = by_small
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
         share = thresholds.defer_share
@@ -193,6 +267,7 @@ class CascadeEngine(EngineWrapper):
         if not small.ok or job.cancelled:
             job.resolve(small)
             return
+        self.times.record_run("small", small)
         if self._suspect(r, small):
             state.deferral = Deferral(True, "check", None, None)
             self._defer(job)
@@ -214,8 +289,10 @@ class CascadeEngine(EngineWrapper):
     def _on_score(self, job: RetryJob, scored: GenerationResult) -> None:
         state: _Job = job.state
         r = job.request
+        if not self._by_small:
+            self._charge_large(r.target_lang, scored)
         if not scored.ok or scored.logprob is None:
-            self._late(job, "late" if scored.finish_reason is FinishReason.EXPIRED else "failed")
+            self._late(job, "late" if _refused_for_time(scored) else "failed")
             return
         self.times.record("score", self.clock() - state.started)
         if self._metrics is not None:
@@ -248,17 +325,32 @@ class CascadeEngine(EngineWrapper):
         state: _Job = job.state
         small = state.small
         assert small is not None
+        self._charge_large(job.request.target_lang, big)
         if big.finish_reason is FinishReason.CANCELLED:
             job.resolve(merged_runs(small, big, job.request.request_id))
             return
         if not big.ok:
-            self._late(job, "late" if big.finish_reason is FinishReason.EXPIRED else "failed")
+            self._late(job, "late" if _refused_for_time(big) else "failed")
             return
         self.times.record("translate", self.clock() - state.started)
+        self.times.record_run("large", big)
         merged = merged_runs(small, big, job.request.request_id)
         self._answer(job, "deferred", self._noted(merged, "deferred", state.deferral))
 
     # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _charge_large(self, lang: str, run: GenerationResult) -> None:
+        """Charge what the large model spent on a request to its language's fair share in the
+        small model's queue, in small-model tokens (`LargeRunTimes.cost_ratio`): a language
+        whose requests are deferred often has used more of the machine, and waits its turn."""
+        if self.charge is None or (run.tokens_in == 0 and run.tokens_out == 0):
+            return
+        ratio = self.times.cost_ratio()
+        uncached = max(0, run.tokens_in - run.cached_tokens)
+        try:
+            self.charge(lang, round(uncached * ratio), round(max(0, run.tokens_out) * ratio))
+        except Exception:  # bookkeeping must never lose the answer
+            log.exception("cascade: charging %s failed", lang)
 
     def _suspect(self, r: TranslationRequest, small: GenerationResult) -> bool:
         try:
@@ -300,3 +392,8 @@ class CascadeEngine(EngineWrapper):
         if self._metrics is not None:
             self._metrics.cascade_outcomes_total.labels(lang=lang, outcome=outcome).inc()
         job.resolve(result)
+
+
+def _refused_for_time(result: GenerationResult) -> bool:
+    """A run cut or refused by its deadline (the admission's REJECTED is its estimate of one)."""
+    return result.finish_reason in (FinishReason.EXPIRED, FinishReason.REJECTED)
