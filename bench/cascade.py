@@ -377,10 +377,19 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
         small, large = figures["small"].get(rate, {}), figures["large"].get(rate, {})
         p50 = safe_ratio(cascade["p50_s"], small.get("p50_s"))
         p99 = safe_ratio(cascade["p99_ok_s"], large.get("p99_ok_s"))
+        outcomes = cascade.get("cascade_outcomes", {})
+        answered = sum(outcomes.values())
         ratios[rate] = {
             "p50_over_small": p50,
             "p99_ok_over_large": p99,
             "met": p50 is not None and p99 is not None and p50 <= 1.3 and p99 <= 1.0,
+            # in service: the share the large model answered, and the small answers sent flagged
+            "deferred_share": round(outcomes.get("deferred", 0) / answered, 3)
+            if answered
+            else None,
+            "deadline_share": round(outcomes.get("deadline", 0) / answered, 3)
+            if answered
+            else None,
         }
     return {
         "bench": "cascade_serving",

@@ -63,7 +63,7 @@ def serving_args(args: argparse.Namespace, *extra: str) -> argparse.Namespace:
 
 def by_rate(result: JSON) -> dict[str, JSON]:
     """{rate: {"p50_s", "p99_ok_s", "p99_s", "statuses"}} over all languages of a serving
-    result's runs."""
+    result's runs (and "cascade_outcomes" where a cascade worker served)."""
     out = {}
     for row in result["runs"]:
         figures = row["languages"]["all"]
@@ -73,6 +73,8 @@ def by_rate(result: JSON) -> dict[str, JSON]:
             "p99_s": figures.get("p99_s"),
             "statuses": figures.get("statuses"),
         }
+        if "cascade_outcomes" in row:  # a cascade worker's (bench.cascade --serving)
+            out[f"{row['total_rate']:g}"]["cascade_outcomes"] = row["cascade_outcomes"]
     return out
 
 

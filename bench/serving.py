@@ -206,7 +206,11 @@ def start_system(system: str, args: argparse.Namespace, stack: ExitStack, logs: 
 
 
 def run(args: argparse.Namespace) -> JSON:
-    from bench.serving_kafka import scrape_step_kinds, step_kinds_between
+    from bench.serving_kafka import (
+        scrape_cascade_outcomes,
+        scrape_step_kinds,
+        step_kinds_between,
+    )
     from workers.loadtest.texts import support_mix
 
     points = load_points(args)
@@ -243,6 +247,7 @@ def run(args: argparse.Namespace) -> JSON:
                     load = [round(x, 2) for x in os.getloadavg()]
                     metrics_url = info.get("metrics_url")
                     steps_before = scrape_step_kinds(metrics_url) if metrics_url else {}
+                    cascade_before = scrape_cascade_outcomes(metrics_url) if metrics_url else {}
                     outcomes, window = drive(reqs)
                     row = {"system": system, "repeat": rep, "point": p["point"],
                            "total_rate": p["total_rate"], "rates": p["rates"],
@@ -252,6 +257,12 @@ def run(args: argparse.Namespace) -> JSON:
                         row["engine_steps"] = step_kinds_between(
                             steps_before, scrape_step_kinds(metrics_url)
                         )
+                        cascade = {  # a cascade worker's outcomes in the point (issue #44)
+                            k: int(v - cascade_before.get(k, 0.0))
+                            for k, v in scrape_cascade_outcomes(metrics_url).items()
+                        }
+                        if any(cascade.values()):
+                            row["cascade_outcomes"] = cascade
                     runs.append(row)
                     print(f"[serving] {summary_line(row)}", file=sys.stderr, flush=True)
     return report(args, points, runs, starts, logs)

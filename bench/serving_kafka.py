@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.serving_stats import Outcome, stage_split
 from workers.loadtest.bridge import Completion, KafkaBridge
@@ -30,6 +31,7 @@ from workers.loadtest.bridge import Completion, KafkaBridge
 __all__ = [
     "completion_outcome",
     "drive_bridge",
+    "scrape_cascade_outcomes",
     "scrape_step_kinds",
     "start_hog",
     "start_tolk_worker",
@@ -165,25 +167,40 @@ def start_hog(seconds: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def scrape_step_kinds(url: str) -> dict[str, tuple[float, float]]:
-    """The worker's model steps by kind from its /metrics: {kind: (steps, seconds)},
-    cumulative; {} when the endpoint does not answer."""
+def _metric_samples(url: str) -> list[Any]:
+    """The samples of the worker's /metrics page; [] when the endpoint does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
     except OSError:
-        return {}
+        return []
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scrape_step_kinds(url: str) -> dict[str, tuple[float, float]]:
+    """The worker's model steps by kind from its /metrics: {kind: (steps, seconds)},
+    cumulative; {} when the endpoint does not answer."""
     out: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            col = {"tolk_engine_kind_steps_total": 0, "tolk_engine_step_seconds_total": 1}.get(
-                sample.name
-            )
-            if col is not None:
-                out.setdefault(sample.labels["kind"], [0.0, 0.0])[col] = sample.value
+    for sample in _metric_samples(url):
+        col = {"tolk_engine_kind_steps_total": 0, "tolk_engine_step_seconds_total": 1}.get(
+            sample.name
+        )
+        if col is not None:
+            out.setdefault(sample.labels["kind"], [0.0, 0.0])[col] = sample.value
     return {kind: (v[0], v[1]) for kind, v in out.items()}
+
+
+def scrape_cascade_outcomes(url: str) -> dict[str, float]:
+    """The cascade's outcomes so far (`tolk_cascade_outcomes_total`, summed over languages):
+    {outcome: count}, cumulative; {} without a cascade or an answer."""
+    out: dict[str, float] = {}
+    for sample in _metric_samples(url):
+        if sample.name == "tolk_cascade_outcomes_total":
+            outcome = sample.labels["outcome"]
+            out[outcome] = out.get(outcome, 0.0) + sample.value
+    return out
 
 
 def step_kinds_between(

@@ -87,3 +87,37 @@ def test_calibration_in_and_out_of_sample() -> None:
     worse = calibrate_and_evaluate(items, bad, flags, small, large, make)["in_sample"]["all"]
     assert not worse["met"] and worse["cascade_chrF"] == round(chrf(small), 2)
     assert chrf(cascade_stats(small, large, wrong)) == 100.0
+
+
+def test_the_served_comparison_reports_the_deferred_share_in_service(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--serving`: three workers under one load; the cascade's P50 over the small model's, its
+    P99 of OK over the large model's, and the share it deferred (from its metrics)."""
+    from bench import cascade as bench_cascade
+    from bench import serving as bench_serving
+
+    served = {  # worker model + flags -> (P50, P99 of OK, cascade outcomes or None)
+        "small": (0.10, 0.30, None),
+        "cascade": (0.12, 1.50, {"small": 40, "deferred": 18, "deadline": 2}),
+        "large": (0.50, 1.80, None),
+    }
+
+    def run(ns):  # type: ignore[no-untyped-def]
+        arm = "cascade" if "--cascade" in ns.worker_args else (
+            "large" if ns.model == "qwen2.5-coder-1.5b" else "small")  # fmt: skip
+        p50, p99, outcomes = served[arm]
+        row = {
+            "total_rate": 1.0,
+            "languages": {
+                "all": {"p50_s": p50, "p99_ok_s": p99, "p99_s": p99, "statuses": {"OK": 60}}
+            },
+        }
+        if outcomes:
+            row["cascade_outcomes"] = outcomes
+        return {"runs": [row]}
+
+    monkeypatch.setattr(bench_serving, "run", run)
+    result = bench_cascade.serving(bench_cascade.parse_args(["--serving"]))
+    ratio = result["ratios"]["1"]
+    assert ratio["p50_over_small"] == 1.2 and ratio["p99_ok_over_large"] == 0.833
+    assert ratio["met"] is True
+    assert ratio["deferred_share"] == 0.3 and ratio["deadline_share"] == 0.033

@@ -205,6 +205,33 @@ def test_step_kinds_between_two_scrapes() -> None:
     }
 
 
+def test_a_cascade_workers_outcomes_are_scraped_summed_over_languages() -> None:
+    """bench.serving reads a cascade worker's deferral share in each point from its /metrics."""
+    import socket
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from bench.serving_kafka import scrape_cascade_outcomes
+    from workers.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(registry=CollectorRegistry())
+    outcomes = metrics.cascade_outcomes_total
+    outcomes.labels(lang="de", outcome="small").inc(2)
+    outcomes.labels(lang="en", outcome="small").inc()
+    outcomes.labels(lang="de", outcome="deferred").inc()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        got = scrape_cascade_outcomes(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.shutdown()
+        thread.join(5)
+    assert got == {"small": 3.0, "deferred": 1.0}
+    assert scrape_cascade_outcomes(f"http://127.0.0.1:{port}/metrics") == {}  # gone: nothing
+
+
 def test_missing_replies_become_timeouts_per_language() -> None:
     reqs = [(0.0, "de", "en", "a"), (0.1, "de", "en", "b"), (0.2, "en", "de", "c")]
     missing = missing_as_timeouts(reqs, [Outcome("de", "OK", 0.3)])

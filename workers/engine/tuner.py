@@ -11,13 +11,16 @@ compiled decode) by short decode runs. Two things it cannot do alone (issue #47)
 - **notice that it was wrong.** A probe measured while other work held the cores can rank
   badly. The tuner keeps watching: every `check_every_s` it compares the engine's own
   decode-only steps since the last check (`EngineStats.decode_by_batch`: steps and seconds by
-  batch size) with the probe's figures for the configuration in use, interpolated at the batch
-  sizes served (`served_ratio`). Served below `1 - margin` of its own figure, or below
-  `1 - other_margin` of another candidate's, for `sustained_checks` checks in a row: it probes
-  again (at most once per `min_reprobe_s`) and moves if the new ranking says so. A probe that
-  itself ran on a busy host is repeated after `busy_retry_s`. Served figures include the longer
-  contexts of real prompts, so a configuration is served a little below its probe figure; the
-  margins are wider than that gap (measured: docs/BENCHMARKS.md).
+  batch size; not the eager steps a compiled configuration serves while its graphs build,
+  which read as a slow configuration and once started a ten-minute re-probe of a 1.5B model
+  beside the serving engine) with the probe's figures for the configuration in use,
+  interpolated at the batch sizes served (`served_ratio`). Served below `1 - margin` of its
+  own figure, or below `1 - other_margin` of another candidate's, for `sustained_checks`
+  checks in a row: it probes again (at most once per `min_reprobe_s`) and moves if the new
+  ranking says so. A probe that itself ran on a busy host is repeated after `busy_retry_s`.
+  Served figures include the longer contexts of real prompts, so a configuration is served a
+  little below its probe figure; the margins are wider than that gap (measured:
+  docs/BENCHMARKS.md).
 
 Moving is `Engine.switch_to`: the new configuration's engine is built (and its graphs compiled,
 its languages warmed) on this thread, then the serving engine takes its model side over at a
