@@ -254,7 +254,7 @@ def _start_tuner(
     from workers.engine.autoprobe import QUANTIZE_FLAGS, auto_config
     from workers.engine.batch_cap import choose_batch_cap
     from workers.engine.engine import Engine, EngineConfig
-    from workers.engine.tuner import ConfigTuner
+    from workers.engine.tuner import ConfigTuner, TunerSettings
 
     weights = QUANTIZE_FLAGS[plan.quantize] if plan.quantize is not None else None
     over = Overrides(weights, plan.compile_decode)
@@ -274,7 +274,13 @@ def _start_tuner(
     def switched(old: str, new: str, why: str) -> None:
         served.set_cache_variant(cache_variant(engine.config))
 
-    tuner = ConfigTuner(engine, choice, probe=probe, build=build, on_switch=switched)
+    watch = plan.cascade is None  # the large model's steps would read as a slow configuration
+    if not watch:
+        log.info("config tuner: the served-speed check is off (a cascade shares the cores)")
+    tuner = ConfigTuner(
+        engine, choice, probe=probe, build=build, on_switch=switched,
+        settings=TunerSettings(watch_served=watch),
+    )  # fmt: skip
     tuner.start()
     return tuner
 

@@ -139,6 +139,22 @@ def test_sustained_slowness_probes_again_and_moves() -> None:
     assert tuner.check() is None
 
 
+def test_a_cascade_worker_shows_the_served_speed_but_never_probes_for_it() -> None:
+    """With the cascade's large model on the same cores the small model's steps run slower
+    than its probe measured them; that is not a slow configuration (watch_served=False)."""
+    from dataclasses import replace
+
+    engine, clock = FakeEngine(), Clock()
+    tuner, switches = make_tuner(engine, choice(F32, FIGURES), choice(F32, FIGURES), clock)
+    tuner.settings = replace(SETTINGS, watch_served=False)
+    for _ in range(4):
+        engine.serve(1, 60, 3.0)  # 0.40x the probe figure, check after check
+        clock.now += 30
+        assert tuner.check() is None
+    assert engine.config_report.served_vs_probe == pytest.approx(0.4, abs=1e-3)
+    assert switches == []
+
+
 def test_a_probe_that_keeps_the_choice_does_not_switch() -> None:
     engine, clock = FakeEngine(), Clock()
     tuner, switches = make_tuner(engine, choice(F32, FIGURES), choice(F32, FIGURES), clock)

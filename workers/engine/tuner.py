@@ -20,7 +20,9 @@ compiled decode) by short decode runs. Two things it cannot do alone (issue #47)
   ranking says so. A probe that itself ran on a busy host is repeated after `busy_retry_s`.
   Served figures include the longer contexts of real prompts, so a configuration is served a
   little below its probe figure; the margins are wider than that gap (measured:
-  docs/BENCHMARKS.md).
+  docs/BENCHMARKS.md). A worker serving a cascade (`--cascade`) turns this check off
+  (`TunerSettings.watch_served`): the large model's runs take the cores from the small one's
+  steps, which read as 0.76x its probe figure and started a re-probe in the first served run.
 
 Moving is `Engine.switch_to`: the new configuration's engine is built (and its graphs compiled,
 its languages warmed) on this thread, then the serving engine takes its model side over at a
@@ -66,6 +68,9 @@ class TunerSettings:
     sustained_checks: int = 2  # slow checks in a row before probing again
     min_reprobe_s: float = 1800.0  # at most one re-probe for slowness in this time
     busy_retry_s: float = 600.0  # a probe taken on a busy host is repeated after this
+    # probe again when the served speed falls short (off where another engine of the process
+    # shares the cores, the cascade's large model: its steps would read as a slow configuration)
+    watch_served: bool = True
 
 
 def expected_tok_s(figures: Mapping[int, float], batch: int) -> float | None:
@@ -187,6 +192,8 @@ class ConfigTuner:
         ratio = served_ratio(own, window)
         self._served = ratio
         self._publish(probing=False)
+        if not s.watch_served:
+            return None  # shown (`_publish`), never acted on
         others = {
             c: served_ratio(f, window) for c, f in self.choice.figures.items() if c != current
         }
