@@ -78,6 +78,29 @@ def test_scoring_beside_compiled_decode_still_reads_every_row(
     assert result.logprob == pytest.approx(reference_logprob(hf, ids, 20), abs=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_generated_tokens_log_probabilities_are_what_teacher_forcing_gives_them(
+    arch: str, tiny_config: Any, tiny_models: Any
+) -> None:
+    """`SamplingParams.logprobs`: the answer's mean log-probability read off the generation (the
+    cascade's small-model signal without a second pass) equals transformers' teacher-forced
+    one on the same tokens, with the same greedy tokens as without it, beside a plain request
+    and with n-gram drafts on (a sequence keeping log-probabilities is never drafted for)."""
+    hf, loaded = tiny_models(tiny_config(arch))
+    prompt = list(range(10, 30)) * 2  # repeats: the n-gram proposer has something to draft
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_at_newline=False)
+    keep = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_at_newline=False, logprobs=True)
+    for draft in (None, "ngram"):
+        engine = Engine(loaded, EngineConfig(kv_cache_tokens=1024, block_size=4, draft=draft))
+        plain, kept = engine.generate(
+            [GenerationRequest("p", prompt, params), GenerationRequest("k", prompt, keep)]
+        )
+        assert kept.token_ids == plain.token_ids and plain.logprob is None
+        assert kept.scored_tokens == len(kept.token_ids) == 8
+        want = reference_logprob(hf, prompt + kept.token_ids, len(prompt))
+        assert kept.logprob == pytest.approx(want, abs=1e-4)
+
+
 def test_scheduler_never_takes_a_scored_position_from_the_prefix_cache() -> None:
     kv = KVCacheManager([KVGroupSpec("full", 64, 4, None)])
     s = Scheduler(SchedulerConfig(4, 64, 256), kv, FCFSRequestQueue())

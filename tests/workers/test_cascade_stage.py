@@ -6,6 +6,7 @@ metrics. The real-weights run of the stage is at the end (Gemma 3 small, Qwen 0.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,12 +243,65 @@ def _done(request: GenerationRequest, reason: FinishReason) -> RequestHandle:
     return handle
 
 
+def test_the_small_signal_read_off_the_answer_needs_no_scoring() -> None:
+    """An answer that comes with its tokens' log-probabilities (asked for by the stage) is
+    decided on them at once: no scoring request."""
+    own = CascadeThresholds("small", "large", "small_total", {"en-de": -4.0}, pooled=-4.0)
+    for total, outcome in ((-3.0, "small"), (-6.0, "deferred")):
+        small = WithLogprob(lambda _r: (GOOD_DE, FinishReason.STOP), logprob=total / 6)
+        scorer, large = _large(), _large()
+        stage = CascadeEngine(small, large=large, thresholds=own, small_scorer=scorer)  # type: ignore[arg-type]
+        result = _run(stage)
+        assert result.notes[meta.CASCADE] == outcome
+        assert result.notes[meta.CASCADE_SCORE] == f"{total:.3f}"
+        assert scorer.scored == []  # no second pass
+        assert small.translations[0].logprobs  # the stage asked for them
+
+
+@dataclass
+class WithLogprob(Scripted):
+    """Answers with its tokens' mean log-probability over 6 tokens."""
+
+    logprob: float = -0.5
+
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        result = super().submit_translation(request).result(timeout=0)
+        handle = RequestHandle(request.request_id, lambda _rid: None)
+        handle.set_result(dataclasses.replace(result, logprob=self.logprob, scored_tokens=6))
+        return handle
+
+
 @pytest.mark.slow
-def test_scorings_go_through_the_small_models_fair_engine(gemma3: Any) -> None:
-    """Served, the small model's scorings are admitted, charged and observed by its fair engine
-    like its translations. Submitted to its Engine directly, the admission hook saw each
-    admitted and never finished, took them for a growing running batch and began refusing
-    translations (5 of 60 REJECTED at 1 req/s in the first served run)."""
+def test_gemmas_answer_log_probability_is_its_teacher_forced_score(gemma3: Any) -> None:
+    """The packaged thresholds were calibrated on teacher-forced scores (`score_request`); the
+    served cascade reads the same signal off the generation: both agree on real weights."""
+    from workers.engine.engine import Engine, EngineConfig
+
+    engine = Engine(gemma3, EngineConfig(kv_cache_tokens=4096))
+    texts = [SOURCE, "Thank you for waiting.", "Wo ist meine Bestellung 4711?"]
+    pairs = [("en", "de"), ("en", "de"), ("de", "en")]
+    generated = engine.generate([
+        engine.translation_request(t, s, g, logprobs=True)
+        for t, (s, g) in zip(texts, pairs, strict=True)
+    ])  # fmt: skip
+    forced = engine.generate([
+        engine.score_request(t, s, g, r.text)
+        for t, (s, g), r in zip(texts, pairs, generated, strict=True)
+    ])  # fmt: skip
+    for gen, tf in zip(generated, forced, strict=True):
+        assert gen.ok and gen.logprob is not None and tf.logprob is not None
+        assert gen.scored_tokens == tf.scored_tokens
+        assert gen.logprob == pytest.approx(tf.logprob, abs=0.02)
+
+
+@pytest.mark.slow
+def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> None:
+    """The fair engine's admission hook counts what it admitted until it is observed. Served,
+    the cascade's answers and the small model's scorings (`FairScoring`, through the fair
+    engine) are observed; the warm-up's requests, sent to the Engine directly, are forgotten
+    when they finish. Before, the scorings were sent to the Engine directly and never
+    observed: the hook took them for a growing running batch and began refusing translations
+    (5 of 60 REJECTED at 1 req/s in the first served run)."""
     import time
 
     from workers.engine.engine import EngineConfig
@@ -259,25 +313,32 @@ def test_scorings_go_through_the_small_models_fair_engine(gemma3: Any) -> None:
 
     policies = {lang: LanguagePolicy(1.0, 5.0, 64, 48) for lang in ("de", "en")}
     fair = build_fair_engine(gemma3, policies, config=EngineConfig(kv_cache_tokens=4096))
-    fair.engine.warm(["de"])
+    assert fair.admission is not None
+    fair.engine.warm(["de", "en"])
+    assert fair.admission._typical_batch() == 1  # the warm-up's requests: forgotten
     own = CascadeThresholds("gemma3-270m", "large", "small_total", {}, pooled=-1e9)  # keep all
     options = ServingOptions(faithful=False, cascade=CascadeSetup(_large(), own))
     served = build_served_engine(fair, Settings(), options, base=fair.engine)
     stage = served.stage("cascade")
     assert isinstance(stage.scorer, FairScoring)
-    assert fair.admission is not None
     served.start()
     try:
         texts = [SOURCE, "Thank you for waiting.", "The invoice is attached to this message."]
         for i, text in enumerate(texts * 2):
-            request = TranslationRequest(f"q{i}", text, "en", "de",
-                                         deadline=time.monotonic() + 30)  # fmt: skip
+            deadline = time.monotonic() + 30
+            request = TranslationRequest(f"q{i}", text, "en", "de", deadline=deadline)
             result = served.submit_translation(request).result(timeout=120)
             assert result.ok and result.notes[meta.CASCADE] == "small", result
+            assert meta.CASCADE_SCORE in result.notes  # read off the answer
+            # the fallback path: a scoring through the small model's fair engine
+            scoring = stage.scorer.score_request(text, "en", "de", result.text, deadline=deadline)
+            scored = stage.scorer.submit(scoring).result(timeout=120)
+            assert scored.ok and scored.logprob is not None and scored.logprob < 0
+        admitted = fair.admission.counts["admitted"]
     finally:
         served.stop()
-    # every admitted run was observed: nothing taken for a running request any more
-    assert fair.admission._typical_batch() == 1
+    assert admitted >= 12  # the six translations and six scorings, each admitted
+    assert fair.admission._typical_batch() == 1  # and each observed
     assert stage.times.cost_ratio() == 4.0  # no large run: the prior
 
 

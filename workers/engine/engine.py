@@ -250,6 +250,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             prompt_form=request.prompt_form,
             examples=request.examples,
             history=request.history,
+            logprobs=request.logprobs,
         )
 
     def translation_request(
@@ -265,6 +266,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         prompt_form: str | None = None,
         examples: Sequence[tuple[str, str]] = (),
         history: Sequence[int] = (),
+        logprobs: bool = False,
     ) -> GenerationRequest:
         """`prompt_form`: a form of prompts.json (None: the engine's default form); the
         faithfulness wrapper retries a suspect translation with the template's retry form.
@@ -284,6 +286,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             max_new_tokens=max_new_tokens or self.config.max_new_tokens,
             stop_at_newline=stop_nl,
             ignore_eos=ignore_eos,
+            logprobs=logprobs,
         )
         return GenerationRequest(
             request_id or uuid.uuid4().hex,

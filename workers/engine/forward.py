@@ -149,7 +149,11 @@ class ModelStep:
         starts = [0]
         for c in chunks:
             starts.append(starts[-1] + c.num_rows_sampled)
-        greedy = [i for i, c in enumerate(chunks) if c.seq.request.params.temperature <= 0]
+        greedy = [  # checked by the argmax; a sequence keeping log-probabilities goes as drawn
+            i
+            for i, c in enumerate(chunks)
+            if c.seq.request.params.temperature <= 0 and not c.seq.request.params.logprobs
+        ]
         picked: dict[str, list[int]] = {}
         if greedy:
             rows_of = [r for i in greedy for r in range(starts[i], starts[i + 1])]

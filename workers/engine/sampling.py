@@ -8,7 +8,9 @@ Two ways, chosen per step by `TokenSampler.pick`:
   bound; an int8 head (`--quantize`): `kernels.int8_head_screen.screened_int8_argmax`, from an
   int4 copy screened by a 6-sigma margin, the candidates rescored by the int8 rows;
 - otherwise the model's full logits `[N, V]`: the argmax for greedy rows, and for the others a
-  draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`.
+  draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`. A
+  sequence that asks for its tokens' log-probabilities (`SamplingParams.logprobs`) takes this
+  way (the screen gives no logits), and each token's log-softmax is kept on it.
 
 Each sampled request draws from its own CPU `torch.Generator`, seeded once from its
 `SamplingParams.seed` (0 when none) on its first sampled token, so a request's tokens depend on
@@ -42,7 +44,9 @@ class TokenSampler:
 
     def screens(self, seqs: Sequence[SequenceState]) -> bool:
         """Whether `pick` takes these sequences' tokens from the screened LM head."""
-        return self.lm_screen is not None and all(s.request.params.temperature <= 0 for s in seqs)
+        return self.lm_screen is not None and all(
+            s.request.params.temperature <= 0 and not s.request.params.logprobs for s in seqs
+        )
 
     def greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
         """The greedy tokens [N] of `rows` [N, D] through the head's screen, or None where none
@@ -90,6 +94,14 @@ class TokenSampler:
                 keep = sorted_p.cumsum(0) - sorted_p < p.top_p
                 probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
             tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+        kept = [row for row, seq in enumerate(seqs) if seq.request.params.logprobs]
+        if kept:  # the log-softmax of each picked token (unscaled logits: the model's own)
+            picked = torch.tensor([tokens[r] for r in kept], device=logits.device)
+            values = (
+                torch.log_softmax(logits[kept].float(), dim=-1).gather(1, picked[:, None])[:, 0]
+            ).tolist()
+            for row, value in zip(kept, values, strict=True):
+                seqs[row].sampled_logprobs.append(value)
         return {seq.request_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
 
     def forget(self, request_id: str) -> None:

@@ -122,8 +122,8 @@ class Drafter:
         for seq in running:
             params = seq.request.params
             seq.draft_ids = []
-            if params.temperature > 0 or seq.num_remaining != 1:
-                continue  # sampled, or still in prefill
+            if params.temperature > 0 or params.logprobs or seq.num_remaining != 1:
+                continue  # sampled, keeping log-probabilities, or still in prefill
             before = self._last.get(seq.request_id, (0, 0))
             seq.draft_len = self.length.next(
                 seq.draft_len, seq.num_drafted - before[0], seq.num_accepted - before[1]

@@ -92,6 +92,7 @@ class StepResults:
             text = text.split("\n", 1)[0]
         for s in req.params.stop_strings:
             text = text.split(s, 1)[0]
+        logprob, scored = seq_logprob(seq)
         sched = seq.first_scheduled_at
         first = seq.first_token_at
         timings = Timings(
@@ -110,14 +111,20 @@ class StepResults:
             cached_tokens=seq.num_cached,
             timings=timings,
             error=seq.error,
-            logprob=seq.logprob_sum / seq.num_scored if seq.num_scored else None,
-            scored_tokens=seq.num_scored,
+            logprob=logprob,
+            scored_tokens=scored,
         )
         self.stats.finished += 1
         self.sampler.forget(req.request_id)
         handle = self._handles.pop(req.request_id, None)
         if handle is not None:
-            handle.set_result(result)
+            handle.set_result(result)  # runs its callbacks: the fair engine's observe among them
+        # an admission hook remembers what it admitted until observed; a request submitted to
+        # the engine directly (warm-up, a scoring) has no observer: forgotten here, else the hook
+        # counts it as running for ever (workers/serving/admission.py, `_typical_batch`)
+        forget = getattr(self.scheduler.admission, "forget", None)
+        if forget is not None:
+            forget(req.request_id)
         return result
 
     def _fail_all(self, error: str) -> None:
@@ -147,3 +154,19 @@ def step_kind(out: SchedulerOutput) -> str:
 def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
     tokens = sum(c.num_tokens for c in out.chunks)
     return StepRecord(step_kind(out), len(out.chunks), tokens, seconds)
+
+
+def seq_logprob(seq: SequenceState) -> tuple[float | None, int]:
+    """(mean log-probability, tokens): of the scored prompt tokens (`score_from`), or of the
+    answer's generated tokens (`SamplingParams.logprobs`), the stop token's left out as
+    teacher forcing leaves it (an EOS is never in `output_ids`; a kept newline or stop string
+    is its last token, one sampled per output token then); (None, 0) for neither."""
+    if seq.num_scored:
+        return seq.logprob_sum / seq.num_scored, seq.num_scored
+    n = len(seq.output_ids)
+    if seq.finish_reason is FinishReason.STOP and len(seq.sampled_logprobs) == n:
+        n -= 1  # the stop token (a newline, a stop string) was kept in the output: not the answer
+    kept = seq.sampled_logprobs[:n]
+    if seq.request.params.logprobs and kept:
+        return sum(kept) / len(kept), len(kept)
+    return None, 0

@@ -41,6 +41,10 @@ class SamplingParams:
     stop_at_newline: bool = True  # a generated "\n" ends a translation
     stop_strings: tuple[str, ...] = ()  # cut the output at the first of these
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens
+    # keep each generated token's log-probability (full logits: no screened head, no drafts);
+    # the result's `logprob` is their mean over the answer: the cascade's small-model signal
+    # read off the generation itself, no second pass (workers/stages/cascade/stage.py)
+    logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -80,6 +84,9 @@ class TranslationRequest:
     # retrieved (source, target) examples after the prefix, before the query
     # (workers/stages/examples/stage.py)
     examples: tuple[tuple[str, str], ...] = ()
+    # the engine keeps the answer's token log-probabilities (`SamplingParams.logprobs`: the
+    # cascade asks for them of the small model)
+    logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -114,7 +121,8 @@ class GenerationResult:
     flagged: bool = False  # a stage sent it though its checks still doubt it
     finish_detail: str = ""  # a stage's finer finish reason: "length_guard" (the guard's cap)
     examples_used: int = 0  # retrieved translation-memory examples its prompt showed
-    # a request with `score_from`: the mean log-probability of its scored prompt tokens
+    # a request with `score_from`: the mean log-probability of its scored prompt tokens; one
+    # with `SamplingParams.logprobs`: that of its generated tokens (`token_ids`)
     logprob: float | None = None
     scored_tokens: int = 0
 

@@ -7,10 +7,14 @@ Flow of one request:
 2. A failed or cancelled small run passes through unchanged. Otherwise the answer is checked
    (`workers.stages.faithful.rules.check`: wrong language, an invented number, a dropped span or
    name, a copied example, a loop): a doubted answer is deferred without a score.
-3. Else it is scored: `Engine.score_request` on the scoring engine (the large model for the
-   `large_logprob` signal, the small model's own engine for `small_logprob` and `small_total`;
-   the signal is the thresholds file's), one prefill, no decoding. Below its pair's threshold
-   (`CascadeThresholds.decide`) it is deferred; else the small answer goes out (`small`).
+3. Else it is scored. The small model's own signals (`small_logprob`, `small_total`) come with
+   its answer: the stage asks for the generated tokens' log-probabilities
+   (`TranslationRequest.logprobs`; the sampler keeps each token's log-softmax, the LM head's
+   screen off for those rows), the values teacher forcing gives for the same tokens. The
+   large model's (`large_logprob`), or a small answer without them, take one prefill of
+   `Engine.score_request` on the scoring engine, no decoding (the small model's through its
+   fair engine, `FairScoring`). Below its pair's threshold (`CascadeThresholds.decide`) it is
+   deferred; else the small answer goes out (`small`).
 4. A deferred request is translated by the large model under `<id>~cascade`, with the same
    deadline and its own default prompt form. Its answer goes out (`deferred`), carrying the work
    of both runs.
@@ -254,6 +258,8 @@ class CascadeEngine(EngineWrapper):
         self._metrics = metrics
 
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        if self._by_small:  # the small model's signal read off its own generation
+            request = dataclasses.replace(request, logprobs=True)
         job = RetryJob(request, _Job())
         job.run(self.inner, lambda result: self._on_small(job, result))
         return job.handle
@@ -271,6 +277,9 @@ class CascadeEngine(EngineWrapper):
         if self._suspect(r, small):
             state.deferral = Deferral(True, "check", None, None)
             self._defer(job)
+            return
+        if self._by_small and small.logprob is not None and small.scored_tokens > 0:
+            self._decide(job, small.logprob, small.scored_tokens)  # no second pass
             return
         if not self.times.fits(r.deadline, self.clock(), "score", "translate"):
             self._late(job, "late")
@@ -295,9 +304,15 @@ class CascadeEngine(EngineWrapper):
             self._late(job, "late" if _refused_for_time(scored) else "failed")
             return
         self.times.record("score", self.clock() - state.started)
+        self._decide(job, scored.logprob, scored.scored_tokens)
+
+    def _decide(self, job: RetryJob, logprob: float, tokens: int) -> None:
+        """The threshold's verdict on a score: keep the small answer, or defer if it fits."""
+        state: _Job = job.state
+        r = job.request
         if self._metrics is not None:
-            self._metrics.cascade_score.labels(lang=r.target_lang).observe(scored.logprob)
-        value = signal_value(self.thresholds.signal, scored.logprob, scored.scored_tokens)
+            self._metrics.cascade_score.labels(lang=r.target_lang).observe(logprob)
+        value = signal_value(self.thresholds.signal, logprob, tokens)
         state.deferral = self.thresholds.decide(r.source_lang, r.target_lang, value)
         if not state.deferral.defer:
             assert state.small is not None
