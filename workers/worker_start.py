@@ -226,6 +226,7 @@ def _cascade_setup(settings: Any, plan: WorkerPlan, root: Path, small_config: An
         quantize=chosen.quantize,
         compile_decode=chosen.compile_decode,
         draft=None,
+        release_pool_when_idle=True,  # idle most of the time: its threads go back meanwhile
     )
     log.info("cascade: %s on %s (%s)", large_model, chosen.label, choice.reason)
     return CascadeSetup(Engine.from_config(config), thresholds)

@@ -78,3 +78,39 @@ def test_use_threads_sets_the_calling_threads_count_only() -> None:
     t.join()
     assert seen == [1]
     assert torch.get_num_threads() == main_before
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_an_engine_set_to_release_its_pool_does_so_each_time_it_runs_out_of_work(
+    release: bool, tiny_config: object, tiny_models: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`EngineConfig.release_pool_when_idle` (the cascade's large model): the loop thread frees
+    its OpenMP pool when it goes idle, once per idle spell, and serves on when work comes."""
+    import time
+
+    from workers.engine import engine as engine_module
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.types import GenerationRequest, SamplingParams
+
+    _hf, loaded = tiny_models(tiny_config("qwen2"))  # type: ignore[operator]
+    config = EngineConfig(kv_cache_tokens=1024, block_size=4, release_pool_when_idle=release)
+    engine = Engine(loaded, config)
+    calls: list[str] = []
+    real = engine_module.release_openmp_pool
+
+    def counted() -> bool:
+        calls.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(engine_module, "release_openmp_pool", counted)
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        for burst in range(2):
+            handle = engine.submit(GenerationRequest(f"r{burst}", list(range(10, 30)), params))
+            assert handle.result(timeout=60).ok
+            time.sleep(0.3)  # idle spells: the loop waits in 50 ms naps
+    finally:
+        engine.stop()
+    from_loop = [name for name in calls if name == "tolk-engine"]
+    assert len(from_loop) == (3 if release else 0)  # idle at start, after each burst

@@ -363,13 +363,18 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
 
     def _loop(self, n_threads: int) -> None:
         use_threads(n_threads)
+        pooled = True  # this thread holds an OpenMP pool (or may: it ran torch work)
         while not self._stop.is_set():
             self.loop_heartbeat = time.monotonic()  # a step that never returns stops this
             self._switch_when_idle()
             if not self._drain_inbox() and not self.scheduler.has_work():
+                if pooled and self.config.release_pool_when_idle:
+                    release_openmp_pool()  # idle: no threads held beside the other engine's
+                    pooled = False
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            pooled = True
             try:
                 self.step()
             except Exception as exc:  # a failed step fails its requests, never the thread

@@ -35,6 +35,10 @@ class EngineConfig:
     # compile those graphs on a background thread while the engine serves eagerly (the worker:
     # it consumes at once and gets faster when they are ready); False: before serving
     compile_in_background: bool = False
+    # free the engine thread's OpenMP pool each time it runs out of work: for a second engine
+    # of the process (the cascade's large model), whose idle pool would otherwise hold threads
+    # beyond the CPUs and throttle the busy engine's parallel ops (workers/engine/threads.py)
+    release_pool_when_idle: bool = False
     # CUDA only, ignored elsewhere: the Triton kernels swapped into the model
     # (workers/engine/triton_swaps.py), and decode-only steps of up to max_num_seqs sequences
     # replayed as CUDA graphs per batch-size bucket (workers/engine/cuda_graphs.py; with
