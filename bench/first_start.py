@@ -12,7 +12,9 @@ Issue #47's check of the auto configuration (workers/engine/tuner.py, autoprobe.
    (`bench.serving`, open loop at each of `--rates` req/s for `--duration` s) once its tuner
    settled: the seconds to consuming, to the settled configuration, which one, its P50 / P99;
 2. the **explicit configurations** (`--explicit`, each as `tolk worker --quantize W
-   [--compile-decode]`, the cache warm) under the same load, one start each;
+   [--compile-decode]`, the cache warm) under the same load, `--explicit-repeats` starts each
+   (default 1), the median P50 its figure and every start's kept (the spread to read a first
+   start against);
 3. with `--anchor`, llama.cpp's llama-server (`llama-http`, bench/build_llama_server.sh) on the
    same GGUF and load: each binary of `--anchor-bin` (default: the one the serving bench finds),
    e.g. the project's AVX-512 build and a `GGML_NATIVE=ON` one, and per rate the faster P50 of
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -111,6 +114,23 @@ def faster_per_rate(builds: dict[str, dict[str, JSON]]) -> dict[str, JSON]:
     return out
 
 
+def median_of_starts(runs: list[dict[str, JSON]]) -> dict[str, JSON]:
+    """Several starts of one configuration under the same load as one: per rate the median P50
+    and P99 of OK, each start's P50 kept (`p50_runs`: the spread a first start is read against)."""
+    out: dict[str, JSON] = {}
+    for rate in runs[0]:
+        rows = [r[rate] for r in runs if rate in r]
+        p50s = [f["p50_s"] for f in rows if f.get("p50_s") is not None]
+        p99s = [f["p99_ok_s"] for f in rows if f.get("p99_ok_s") is not None]
+        out[rate] = {
+            **rows[0],
+            "p50_s": statistics.median(p50s) if p50s else None,
+            "p99_ok_s": statistics.median(p99s) if p99s else None,
+            "p50_runs": p50s,
+        }
+    return out
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -139,7 +159,8 @@ def run(args: argparse.Namespace) -> JSON:
     for label in parse_csv(args.explicit):
         flags = f"--no-cache {flags_of(label)}"
         ns = serving_args(args, "--systems", "tolk", f"--worker-args={flags}")
-        explicit[label] = by_rate(serving.run(ns))
+        runs = [by_rate(serving.run(ns)) for _ in range(args.explicit_repeats)]
+        explicit[label] = median_of_starts(runs)
         print(f"[first_start] explicit {label}: {explicit[label]}", file=sys.stderr, flush=True)
     anchors: dict[str, dict[str, JSON]] = {}
     for binary in args.anchor_bin if args.anchor else []:
@@ -195,6 +216,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--explicit", default="int8,int8+compiled,float32,float32+compiled")
+    p.add_argument(
+        "--explicit-repeats", type=int, default=1,
+        help="starts of each explicit configuration (warm cache); the median P50 is its figure",
+    )  # fmt: skip
     p.add_argument("--anchor", action="store_true", help="llama-server under the same load")
     p.add_argument(
         "--anchor-bin",

@@ -432,3 +432,19 @@ def test_llama_http_draft_refuses_to_start_without_a_draft_model() -> None:
 
     with pytest.raises(SystemExit, match="needs --llama-draft"):
         run(parse_args(["--systems", "tolk,llama-http-draft", "--rates", "1"]))
+
+
+def test_repeated_starts_of_an_explicit_configuration_count_by_their_median() -> None:
+    """bench.first_start --explicit-repeats: one start of the best configuration is as noisy as
+    one first start; the median of several is the figure, each start's P50 kept beside it."""
+    from bench.first_start import median_of_starts
+
+    runs = [
+        {"1": {"p50_s": p50, "p99_ok_s": p99, "statuses": {"OK": 60}}}
+        for p50, p99 in ((0.121, 0.40), (0.154, 0.52), (0.133, 0.45))
+    ]
+    merged = median_of_starts(runs)["1"]
+    assert merged["p50_s"] == 0.133 and merged["p99_ok_s"] == 0.45
+    assert merged["p50_runs"] == [0.121, 0.154, 0.133]
+    missed = median_of_starts([{"1": {"p50_s": None, "p99_ok_s": None}}])["1"]
+    assert missed["p50_s"] is None and missed["p50_runs"] == []

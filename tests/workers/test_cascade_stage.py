@@ -443,6 +443,7 @@ def test_the_worker_builds_the_large_engine_on_the_small_ones_device(tmp_path: A
     try:
         assert setup.large.config.model == "qwen2.5-coder-0.5b"
         assert setup.large.config.device == "cpu" and setup.large.config.draft is None
+        assert setup.large.config.release_pool_when_idle  # idle most of the time
         assert setup.thresholds.signal == "small_total"
         (result,) = setup.large.generate(
             [setup.large.translation_request("Thank you for waiting.", "en", "de")]
