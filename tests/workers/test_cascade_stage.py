@@ -256,6 +256,7 @@ def test_the_small_signal_read_off_the_answer_needs_no_scoring() -> None:
         assert result.notes[meta.CASCADE_SCORE] == f"{total:.3f}"
         assert scorer.scored == []  # no second pass
         assert small.translations[0].logprobs  # the stage asked for them
+        assert all(not r.logprobs for r in large.translations)  # not of the large model
 
 
 @dataclass

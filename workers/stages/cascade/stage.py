@@ -330,7 +330,10 @@ class CascadeEngine(EngineWrapper):
             return
         try:  # the large model, its own prompt form, the same deadline and examples
             state.started = self.clock()
-            job.rerun(self.large, SUFFIX, lambda big: self._on_large(job, big), prompt_form=None)
+            job.rerun(
+                self.large, SUFFIX, lambda big: self._on_large(job, big),
+                prompt_form=None, logprobs=False,  # the large model's answer needs no signal
+            )  # fmt: skip
         except Exception as exc:
             rid = job.request.request_id
             log.warning("cascade: %s not deferred (%s): the small answer", rid, exc)
