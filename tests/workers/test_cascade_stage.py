@@ -23,8 +23,9 @@ from workers.engine.types import (
     TranslationRequest,
 )
 from workers.metrics import WorkerMetrics
+from workers.stages.cascade.accounting import LargeRunTimes
 from workers.stages.cascade.rules import CascadeThresholds
-from workers.stages.cascade.stage import SUFFIX, CascadeEngine, LargeRunTimes
+from workers.stages.cascade.stage import SUFFIX, CascadeEngine
 
 SOURCE = "Your replacement device will be shipped tomorrow."
 GOOD_DE = "Ihr Ersatzgerät wird morgen verschickt."
@@ -310,7 +311,8 @@ def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> N
     from workers.serving.fair_engine import build_fair_engine
     from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.settings import Settings
-    from workers.stages.cascade.stage import CascadeSetup, FairScoring
+    from workers.stages.cascade.accounting import FairScoring
+    from workers.stages.cascade.stage import CascadeSetup
 
     policies = {lang: LanguagePolicy(1.0, 5.0, 64, 48) for lang in ("de", "en")}
     fair = build_fair_engine(gemma3, policies, config=EngineConfig(kv_cache_tokens=4096))

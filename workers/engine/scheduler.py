@@ -82,8 +82,7 @@ class SequenceState:
     num_accepted: int = 0  # of those, the ones the target agreed with
     logprob_sum: float = 0.0  # request.score_from: the scored tokens' log-probabilities so far
     num_scored: int = 0  # and how many of them
-    # SamplingParams.logprobs: each sampled token's log-probability, in order (the stop token's
-    # too; the answer's are the first len(output_ids))
+    # SamplingParams.logprobs: each sampled token's log-probability (step_results.seq_logprob)
     sampled_logprobs: list[float] = field(default_factory=list)
 
     @property

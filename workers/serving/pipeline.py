@@ -173,7 +173,8 @@ def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
 
 def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
-    from workers.stages.cascade.stage import CascadeEngine, FairScoring
+    from workers.stages.cascade.accounting import FairScoring
+    from workers.stages.cascade.stage import CascadeEngine
 
     setup = b.options.cascade
     scorer: Any = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine

@@ -19,9 +19,10 @@ Flow of one request:
    deadline and its own default prompt form. Its answer goes out (`deferred`), carrying the work
    of both runs.
 5. Whenever the deadline leaves too little time for what is left (the scoring, then the large
-   model's translation, each estimated by `LargeRunTimes`: a moving average of what they took,
-   from priors), and when the large run fails or expires, the small answer goes out
-   **flagged** (`deadline`): never an EXPIRED reply for a request the small model answered.
+   model's translation, each estimated by `LargeRunTimes` in accounting.py: a moving average
+   of what they took, from priors), and when the large run fails or expires, the small answer
+   goes out **flagged** (`deadline`): never an EXPIRED reply for a request the small model
+   answered. A large run is charged to the language's fair share (accounting.py).
 
 The reply says what happened (`workers/reply_metadata.py`): `tolk.cascade` = small / deferred /
 deadline, `tolk.cascade.score` (when computed) and `tolk.cascade.reason` (score, check, late,
@@ -50,13 +51,16 @@ from workers import reply_metadata as meta
 from workers.engine.prompts import prompt_examples
 from workers.engine.types import (
     FinishReason,
-    GenerationRequest,
     GenerationResult,
     RequestHandle,
     TranslationEngine,
     TranslationRequest,
 )
-from workers.fairness.vtc import service_cost
+from workers.stages.cascade.accounting import (
+    LargeRunTimes,
+    Scorer,
+    SmallQueueCharge,
+)
 from workers.stages.cascade.rules import SCORER, CascadeThresholds, Deferral, signal_value
 from workers.stages.faithful.rules import check
 from workers.stages.retry import RetryJob
@@ -64,98 +68,16 @@ from workers.stages.wrapper import EngineWrapper, merged_runs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup", "FairScoring", "LargeRunTimes"]
+__all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup"]
 
 OUTCOMES = ("small", "deferred", "deadline")
 SUFFIX = "~cascade"  # the large model's request id
 SCORE_SUFFIX = "~score"
 
 
-class Scorer(Protocol):
-    """An engine that scores answers (`workers.engine.engine.Engine`)."""
-
-    def score_request(
-        self,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        answer: str,
-        *,
-        request_id: str | None = None,
-        deadline: float | None = None,
-    ) -> GenerationRequest: ...
-
-    def submit(self, request: GenerationRequest) -> RequestHandle: ...
-
-
 class _CascadeMetrics(Protocol):
     cascade_outcomes_total: Any  # a prometheus Counter labelled (lang, outcome)
     cascade_score: Any  # a prometheus Histogram labelled (lang)
-
-
-class LargeRunTimes:
-    """What the deferred path costs, to tell whether a deadline still allows it: a moving
-    average of the seconds a scoring and a large-model translation took, from priors (the
-    1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate one, docs/BENCHMARKS.md);
-    and what a large-model token costs in small-model tokens (`cost_ratio`, from each model's
-    seconds per weighted service token, prior 4: the 1.5B's P50 was 4.2x Gemma 3's), the rate
-    at which a deferred request is charged to its language's fair share.
-    Thread-safe (both engines' threads record)."""
-
-    def __init__(
-        self,
-        score_s: float = 0.3,
-        translate_s: float = 1.0,
-        weight: float = 0.2,
-        cost_ratio: float = 4.0,
-    ):
-        self._s = {"score": score_s, "translate": translate_s}
-        self._per_token: dict[str, float] = {}  # "small" / "large" -> s per service token
-        self._ratio_prior = cost_ratio
-        self.weight = weight
-        self._lock = threading.Lock()
-
-    def estimate(self, kind: str) -> float:
-        with self._lock:
-            return self._s[kind]
-
-    def record(self, kind: str, seconds: float) -> None:
-        with self._lock:
-            self._s[kind] += self.weight * (seconds - self._s[kind])
-
-    def fits(self, deadline: float | None, now: float, *kinds: str) -> bool:
-        """Whether `kinds` run one after another finish before `deadline` (None: always)."""
-        return deadline is None or now + sum(self.estimate(k) for k in kinds) <= deadline
-
-    def record_run(self, model: str, result: GenerationResult) -> None:
-        """One finished run of `model` ("small" / "large"): its service seconds per weighted
-        token (uncached prompt + 2 x output, as the fair share counts them)."""
-        tokens = service_tokens(result)
-        seconds = result.timings.total_s - result.timings.queue_s
-        if tokens <= 0 or seconds <= 0:
-            return
-        with self._lock:
-            old = self._per_token.get(model)
-            per = seconds / tokens
-            self._per_token[model] = per if old is None else old + self.weight * (per - old)
-
-    def cost_ratio(self) -> float:
-        """Small-model tokens one large-model token is worth (the prior until both ran)."""
-        with self._lock:
-            small, large = self._per_token.get("small"), self._per_token.get("large")
-        if not small or not large:
-            return self._ratio_prior
-        return large / small
-
-
-def service_tokens(result: GenerationResult) -> float:
-    """The weighted tokens of service a run took (`workers.fairness.vtc.service_cost`)."""
-    uncached = max(0, result.tokens_in - result.cached_tokens)
-    return service_cost(uncached, max(0, result.tokens_out))
-
-
-# charges (language, prefill tokens, output tokens) to the small model's fair share
-SmallQueueCharge = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,35 +87,6 @@ class CascadeSetup:
 
     large: Any  # workers.engine.engine.Engine
     thresholds: CascadeThresholds
-
-
-@dataclass(frozen=True, slots=True)
-class FairScoring:
-    """The small model's scoring path: requests built by its `Engine`, submitted through its
-    fair engine, so a scoring is admitted by the deadline rule, charged to its language's fair
-    share and observed by the latency model like any run of that model. (Submitted to the
-    `Engine` directly, the fair engine's admission hook saw them admitted and never finished:
-    it took them for a growing running batch and began refusing translations.)"""
-
-    builder: Scorer  # the small model's Engine: score_request
-    fair: Any  # its FairEngine: submit(GenerationRequest) -> RequestHandle
-
-    def score_request(
-        self,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        answer: str,
-        *,
-        request_id: str | None = None,
-        deadline: float | None = None,
-    ) -> GenerationRequest:
-        return self.builder.score_request(
-            text, source_lang, target_lang, answer, request_id=request_id, deadline=deadline
-        )
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        return self.fair.submit(request)
 
 
 @dataclass(slots=True)
