@@ -180,7 +180,7 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
     scorer: Any = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
     charge = None
     if isinstance(b.core, FairEngine):  # score and charge through the small model's fair share
-        scorer = FairScoring(scorer, b.core) if scorer is not None else None
+        scorer = FairScoring(scorer.score_request, b.core.submit) if scorer is not None else None
         charge = _queue_charge(b.core.queue)
     return CascadeEngine(
         inner,

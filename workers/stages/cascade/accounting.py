@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from workers.engine.types import GenerationRequest, GenerationResult, RequestHandle
 from workers.fairness.vtc import service_cost
@@ -116,22 +116,6 @@ class FairScoring:
     `Engine` directly, the fair engine's admission hook saw them admitted and never finished:
     it took them for a growing running batch and began refusing translations.)"""
 
-    builder: Scorer  # the small model's Engine: score_request
-    fair: Any  # its FairEngine: submit(GenerationRequest) -> RequestHandle
-
-    def score_request(
-        self,
-        text: str,
-        source_lang: str,
-        target_lang: str,
-        answer: str,
-        *,
-        request_id: str | None = None,
-        deadline: float | None = None,
-    ) -> GenerationRequest:
-        return self.builder.score_request(
-            text, source_lang, target_lang, answer, request_id=request_id, deadline=deadline
-        )
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        return self.fair.submit(request)
+    # the small model's `Engine.score_request`, and its fair engine's `submit`
+    score_request: Callable[..., GenerationRequest]
+    submit: Callable[[GenerationRequest], RequestHandle]
