@@ -17,6 +17,10 @@ argmax, so, as `kernels/greedy_head.py` does for a float32 head:
    gathered rows, padded to whole blocks of 4 so each row takes the same loop as in the full
    head), the soft-cap applied as `Transformer.compute_logits` does, argmax (lowest id on ties).
 
+`screened_int8_argmax_logprob` also gives the token's log-softmax, its normaliser summed over
+the candidates' int8 logits and every other entry's int4 one: a sequence that keeps its tokens'
+log-probabilities (the cascade's small-model signal) keeps the screen.
+
 Unlike the float32 screen this margin is not a proof. Cauchy-Schwarz would bound the error
 rigorously, but at 25x the error actually seen (sqrt(640)) it leaves ~90k of 262k candidates.
 The margin is Z = 6 standard deviations of the error as if the rounding errors were independent
@@ -120,12 +124,21 @@ def _softcapped(logits: Tensor, softcap: float | None) -> Tensor:
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
-def screened_int8_argmax(
+def int8_head_logprob_reference(
+    x: Tensor, q: Tensor, scales: Tensor, softcap: float | None
+) -> tuple[Tensor, Tensor]:
+    """x [N, K] float32 -> ([N] long, [N] float32): the full int8 head's argmax and its
+    log-softmax (of the soft-capped logits, as `TokenSampler.sample` keeps it)."""
+    logits = _softcapped(int8_linear(x, q, scales), softcap)
+    tokens = logits.argmax(dim=-1)
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def _screened(
     x: Tensor, q: Tensor, scales: Tensor, screen: Int4Screen, softcap: float | None
-) -> Tensor:
-    """x [N, K] float32, the int8 head (`q` [V, K], `scales` [V]) -> [N] long: its argmax
-    through the int4 screen (module docstring); the C++ candidate pass once the ops are loaded,
-    the torch one elsewhere."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(approx [N, V] the int4 logits, ids [U] the candidates, [N, U] their int8 logits,
+    soft-capped)."""
     approx = int4_linear(x, screen.w, screen.scales, screen.mins)  # [N, V]
     if cpu_ops.LOADED:
         ids = torch.ops.tolk.int4_screen_union(x, approx, screen.norm, screen.err)
@@ -134,4 +147,31 @@ def screened_int8_argmax(
     u = ids.numel()
     padded = torch.cat([ids, ids[-1:].expand((-u) % 4)])  # whole 4-row blocks, as in the head
     logits = int8_linear(x, q.index_select(0, padded), scales.index_select(0, padded))[:, :u]
-    return ids[_softcapped(logits, softcap).argmax(dim=-1)]
+    return approx, ids, _softcapped(logits, softcap)
+
+
+def screened_int8_argmax(
+    x: Tensor, q: Tensor, scales: Tensor, screen: Int4Screen, softcap: float | None
+) -> Tensor:
+    """x [N, K] float32, the int8 head (`q` [V, K], `scales` [V]) -> [N] long: its argmax
+    through the int4 screen (module docstring); the C++ candidate pass once the ops are loaded,
+    the torch one elsewhere."""
+    _, ids, logits = _screened(x, q, scales, screen, softcap)
+    return ids[logits.argmax(dim=-1)]
+
+
+def screened_int8_argmax_logprob(
+    x: Tensor, q: Tensor, scales: Tensor, screen: Int4Screen, softcap: float | None
+) -> tuple[Tensor, Tensor]:
+    """As `int8_head_logprob_reference`, through the screen: the argmax as
+    `screened_int8_argmax`'s, its log-softmax with the normaliser summed over the candidates'
+    int8 logits and every other entry's int4 one (the cascade's small-model signal, issue #44:
+    a kept log-probability no longer turns the screen off). The others lie below the best by
+    at least their margins; their errors move the normaliser by a fraction of each one's share
+    of it (on Gemma 3's decode rows within 0.01 of the full head's, tests/kernels)."""
+    approx, ids, logits = _screened(x, q, scales, screen, softcap)
+    best = logits.argmax(dim=-1)
+    capped = _softcapped(approx, softcap) if softcap is not None else approx
+    capped.index_copy_(1, ids, logits)  # [N, V]: int8 where computed, int4 elsewhere
+    picked = logits.gather(1, best[:, None])[:, 0]
+    return ids[best], picked - torch.logsumexp(capped, dim=-1)

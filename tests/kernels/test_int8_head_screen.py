@@ -17,8 +17,10 @@ from kernels.int8_head_screen import (
     Int4Screen,
     candidate_union,
     int8_head_argmax_reference,
+    int8_head_logprob_reference,
     row_factors,
     screened_int8_argmax,
+    screened_int8_argmax_logprob,
 )
 from kernels.int8_linear import int8_linear, quantize_int8
 
@@ -53,6 +55,23 @@ def test_screened_argmax_equals_the_full_int8_head(path: str, v: int, k: int, so
     if v % 4 == 0:
         want = int8_head_argmax_reference(x, q, scales, softcap)
         assert torch.equal(screened_int8_argmax(x, q, scales, screen, softcap), want)
+
+
+@pytest.mark.parametrize("v,k", [(6000, 64), (3001, 640)])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_screened_log_probability_is_the_full_int8_heads(v: int, k: int, softcap) -> None:
+    """The token as `screened_int8_argmax`'s, its log-softmax within 0.01 of the full head's:
+    the normaliser's entries outside the candidates are int4 approximations."""
+    q, scales, x = _head(v, k, seed=2)
+    x[4:] *= 0.05  # flat rows too: many entries share the normaliser, the tail's error counts
+    screen = Int4Screen.build(q, scales, chunk=1024)
+    want_tokens, want = int8_head_logprob_reference(x, q, scales, softcap)
+    tokens, got = screened_int8_argmax_logprob(x, q, scales, screen, softcap)
+    assert torch.equal(tokens, screened_int8_argmax(x, q, scales, screen, softcap))
+    assert torch.equal(tokens, want_tokens)
+    assert got.shape == (9,) and got.dtype == torch.float32
+    assert (got <= 0).all() and (want[4:] < -1.0).all()  # the flat rows are far from certain
+    assert torch.allclose(got, want, atol=0.01), (got - want).abs().max()
 
 
 def test_cpp_and_torch_candidate_passes_agree() -> None:

@@ -6,11 +6,14 @@ Two ways, chosen per step by `TokenSampler.pick`:
   screen_lm_head`, CPU, float32 rows): the head's argmax without its full logits. A float32
   head: `kernels.greedy_head.greedy_tokens`, from an int8 copy screened by a rigorous error
   bound; an int8 head (`--quantize`): `kernels.int8_head_screen.screened_int8_argmax`, from an
-  int4 copy screened by a 6-sigma margin, the candidates rescored by the int8 rows;
+  int4 copy screened by a 6-sigma margin, the candidates rescored by the int8 rows. A sequence
+  that asks for its tokens' log-probabilities (`SamplingParams.logprobs`: the cascade's small
+  model) keeps the int8 head's screen (`screened_int8_argmax_logprob`: the normaliser from the
+  int4 logits outside the candidates); a float32 head's screen gives none, so it goes the
+  other way;
 - otherwise the model's full logits `[N, V]`: the argmax for greedy rows, and for the others a
-  draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`. A
-  sequence that asks for its tokens' log-probabilities (`SamplingParams.logprobs`) takes this
-  way (the screen gives no logits), and each token's log-softmax is kept on it.
+  draw from the temperature-scaled softmax, cut to the top-p nucleus when `top_p < 1`. Each
+  token's log-softmax is kept on a sequence that asks for it.
 
 Each sampled request draws from its own CPU `torch.Generator`, seeded once from its
 `SamplingParams.seed` (0 when none) on its first sampled token, so a request's tokens depend on
@@ -28,7 +31,7 @@ from typing import cast
 import torch
 
 from kernels.greedy_head import Int8Screen, greedy_tokens
-from kernels.int8_head_screen import screened_int8_argmax
+from kernels.int8_head_screen import Int4Screen, screened_int8_argmax, screened_int8_argmax_logprob
 from workers.engine.model import Transformer
 from workers.engine.scheduler import SequenceState
 from workers.engine.swaps import HeadScreen, WeightOnlyInt8Linear
@@ -43,9 +46,12 @@ class TokenSampler:
         self._generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
 
     def screens(self, seqs: Sequence[SequenceState]) -> bool:
-        """Whether `pick` takes these sequences' tokens from the screened LM head."""
+        """Whether `pick` takes these sequences' tokens from the screened LM head: all greedy,
+        and none keeping log-probabilities unless the screen gives them (an int8 head's)."""
+        gives_logprobs = isinstance(self.lm_screen, Int4Screen)
         return self.lm_screen is not None and all(
-            s.request.params.temperature <= 0 and not s.request.params.logprobs for s in seqs
+            s.request.params.temperature <= 0 and (gives_logprobs or not s.request.params.logprobs)
+            for s in seqs
         )
 
     def greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
@@ -65,11 +71,30 @@ class TokenSampler:
         tokens = self.greedy(rows)
         return tokens if tokens is not None else self.model.compute_logits(rows).argmax(dim=-1)
 
+    def greedy_logprobs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The greedy tokens [N] of `rows` [N, D] and their log-softmax [N] through an int8
+        head's screen; None where none applies."""
+        screen, cap = self.lm_screen, self.model.config.final_logit_softcapping
+        if not isinstance(screen, Int4Screen) or rows.dtype != torch.float32:
+            return None
+        head = cast(WeightOnlyInt8Linear, self.model.lm_head)
+        return screened_int8_argmax_logprob(rows, head.weight, head.scales, screen, cap)
+
     def pick(self, seqs: list[SequenceState], rows: torch.Tensor) -> dict[str, int]:
         """Each sequence's next token from its last hidden row, `rows` [N, D]."""
-        tokens = self.greedy(rows) if self.screens(seqs) else None
-        if tokens is not None:
-            return {seq.request_id: tok for seq, tok in zip(seqs, tokens.tolist(), strict=True)}
+        if self.screens(seqs):
+            if any(s.request.params.logprobs for s in seqs):
+                screened = self.greedy_logprobs(rows)
+                if screened is not None:
+                    tokens, values = screened
+                    for seq, value in zip(seqs, values.tolist(), strict=True):
+                        if seq.request.params.logprobs:
+                            seq.sampled_logprobs.append(value)
+                    return dict(zip((s.request_id for s in seqs), tokens.tolist(), strict=True))
+            else:
+                greedy = self.greedy(rows)
+                if greedy is not None:
+                    return dict(zip((s.request_id for s in seqs), greedy.tolist(), strict=True))
         return self.sample(seqs, self.model.compute_logits(rows))  # logits [N, V] float32
 
     def sample(
