@@ -114,3 +114,35 @@ def test_an_engine_set_to_release_its_pool_does_so_each_time_it_runs_out_of_work
         engine.stop()
     from_loop = [name for name in calls if name == "tolk-engine"]
     assert len(from_loop) == (3 if release else 0)  # idle at start, after each burst
+
+
+def test_an_engine_yielding_to_another_takes_no_step_while_that_one_is_busy(
+    tiny_config: object, tiny_models: object
+) -> None:
+    """`Engine.yields_to` (the cascade's large model yields to its small one): while it says
+    busy, the loop steps no request of its own, none is lost; once it says idle, they run."""
+    import time
+
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.types import GenerationRequest, SamplingParams
+
+    _hf, loaded = tiny_models(tiny_config("qwen2"))  # type: ignore[operator]
+    engine = Engine(loaded, EngineConfig(kv_cache_tokens=1024, block_size=4))
+    other_busy = threading.Event()
+    other_busy.set()
+    engine.yields_to = other_busy.is_set
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        handles = [
+            engine.submit(GenerationRequest(f"r{i}", list(range(10 + i, 30)), params))
+            for i in range(2)
+        ]
+        time.sleep(0.4)
+        assert not any(h.done() for h in handles) and engine.stats.steps == 0
+        assert engine.loop_heartbeat is not None  # the loop comes round while it yields
+        other_busy.clear()
+        assert all(h.result(timeout=60).ok for h in handles)
+        assert engine.stats.steps > 0
+    finally:
+        engine.stop()

@@ -25,7 +25,7 @@ from workers.engine.types import (
 from workers.metrics import WorkerMetrics
 from workers.stages.cascade.accounting import LargeRunTimes
 from workers.stages.cascade.rules import CascadeThresholds
-from workers.stages.cascade.stage import SUFFIX, CascadeEngine
+from workers.stages.cascade.stage import SUFFIX, CascadeEngine, CascadeSetup
 
 SOURCE = "Your replacement device will be shipped tomorrow."
 GOOD_DE = "Ihr Ersatzgerät wird morgen verschickt."
@@ -261,6 +261,32 @@ def test_the_small_signal_read_off_the_answer_needs_no_scoring() -> None:
 
 
 @dataclass
+class Yielding(Scripted):
+    """A large model's engine that can be told to yield (`Engine.yields_to`)."""
+
+    yields_to: Callable[[], bool] | None = None
+    unfinished: bool = False
+
+    def has_unfinished(self) -> bool:
+        return self.unfinished
+
+
+def test_the_served_large_engine_yields_to_the_small_ones_unfinished_work() -> None:
+    """Built into the pipeline, the large model steps only while the small model's engine has
+    nothing unfinished: the answers most requests get never share the cores with it."""
+    from workers.serving.pipeline import ServingOptions, build_served_engine
+    from workers.settings import Settings
+
+    small, large = Yielding(lambda _r: (GOOD_DE, FinishReason.STOP)), Yielding(_large().answer)
+    options = ServingOptions(faithful=False, cascade=CascadeSetup(large, THRESHOLDS))
+    build_served_engine(small, Settings(), options, base=small)
+    assert large.yields_to is not None and small.yields_to is None
+    assert large.yields_to() is False
+    small.unfinished = True
+    assert large.yields_to() is True
+
+
+@dataclass
 class WithLogprob(Scripted):
     """Answers with its tokens' mean log-probability over 6 tokens."""
 
@@ -312,7 +338,6 @@ def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> N
     from workers.serving.pipeline import ServingOptions, build_served_engine
     from workers.settings import Settings
     from workers.stages.cascade.accounting import FairScoring
-    from workers.stages.cascade.stage import CascadeSetup
 
     policies = {lang: LanguagePolicy(1.0, 5.0, 64, 48) for lang in ("de", "en")}
     fair = build_fair_engine(gemma3, policies, config=EngineConfig(kv_cache_tokens=4096))

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -87,6 +87,8 @@ if TYPE_CHECKING:
     from workers.engine.autoconfig import ConfigReport
 
 log = logging.getLogger(__name__)
+
+YIELD_POLL_S = 0.002  # how often a loop yielding to another engine (`yields_to`) looks again
 
 
 class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results: step_results.py
@@ -181,6 +183,10 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         # written by the tuner (workers/engine/tuner.py), read by /readyz and the metrics
         self.config_report: ConfigReport | None = None
         self._pending_switch: tuple[Engine, threading.Event] | None = None
+        # set before `start`: while it returns True the loop takes no step, so another engine
+        # of the process has the CPU to itself (the cascade's large model yields to its small
+        # one, whose answers are most requests' latency: workers/serving/pipeline.py)
+        self.yields_to: Callable[[], bool] | None = None
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
 
     @classmethod
@@ -367,11 +373,12 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         while not self._stop.is_set():
             self.loop_heartbeat = time.monotonic()  # a step that never returns stops this
             self._switch_when_idle()
-            if not self._drain_inbox() and not self.scheduler.has_work():
+            yielding = self.yields_to is not None and self.yields_to()
+            if yielding or (not self._drain_inbox() and not self.scheduler.has_work()):
                 if pooled and self.config.release_pool_when_idle:
                     release_openmp_pool()  # idle: no threads held beside the other engine's
                     pooled = False
-                self._wake.wait(0.05)
+                self._wake.wait(YIELD_POLL_S if yielding else 0.05)
                 self._wake.clear()
                 continue
             pooled = True

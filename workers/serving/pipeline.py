@@ -178,6 +178,11 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
     setup = b.options.cascade
     scorer: Any = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
+    if hasattr(b.base, "has_unfinished") and hasattr(setup.large, "yields_to"):
+        # the large model steps only while the small one has nothing to do: the small answers
+        # (most requests) never share the cores with a 1.5B step; a deferred run waits for
+        # the small model's gaps, within its deadline (stage notes, step 5)
+        setup.large.yields_to = b.base.has_unfinished
     charge = None
     if isinstance(b.core, FairEngine):  # score and charge through the small model's fair share
         scorer = FairScoring(scorer.score_request, b.core.submit) if scorer is not None else None

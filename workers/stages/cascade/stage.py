@@ -32,8 +32,11 @@ failed); the worker's metrics count `tolk_cascade_outcomes_total{lang, outcome}`
 Its place (workers/serving/pipeline.py): innermost, directly around the fair engine of the
 small model, so the faithfulness stage outside checks whichever answer goes out and the cache
 keys answers by the cascade (`key_note`). The large model's engine is the stage's own: it
-starts and stops with it. Callbacks run on the engines' threads: a check (~1 ms) and at most
-one submit each.
+starts and stops with it, and it yields to the small model's (`Engine.yields_to`, set by the
+builder): it takes a step only while the small engine has nothing unfinished, so the small
+answers, most requests' latency, never share the cores with a large step, and a deferred run
+fills the small model's gaps (a deadline it then misses sends the small answer, step 5).
+Callbacks run on the engines' threads: a check (~1 ms) and at most one submit each.
 """
 
 from __future__ import annotations
