@@ -297,6 +297,36 @@ def test_the_tuner_says_when_it_is_busy_so_the_worker_does_not_wait_at_exit() ->
     assert seen == [True] and not tuner.busy
 
 
+def test_a_probe_frees_its_threads_openmp_pool_whether_it_switches_fails_or_keeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe and the build run torch work on the tuner's thread; its OpenMP pool, left
+    beside the serving engine's, throttles both (first starts served 4-24 % slower than a
+    start with the probe stored): each re-probe ends by freeing it, on its own thread."""
+    from workers.engine import tuner as tuner_module
+
+    freed: list[str] = []
+    monkeypatch.setattr(
+        tuner_module, "release_openmp_pool", lambda: freed.append(threading.current_thread().name)
+    )
+    engine, clock = FakeEngine(), Clock()
+    faster = {**FIGURES, I8C: {1: 90.0, 8: 300.0}}
+    tuner, switches = make_tuner(engine, choice(F32, FIGURES), choice(I8C, faster), clock)
+    tuner.reprobe("switches")
+    assert switches == ["float32->int8+compiled"] and len(freed) == 1
+
+    def failing() -> Choice:
+        raise RuntimeError("probe failed")
+
+    tuner.probe = failing
+    tuner.reprobe("fails")
+    assert len(freed) == 2
+    thread = threading.Thread(target=tuner.reprobe, args=("on the tuner's thread",), name="t")
+    thread.start()
+    thread.join()
+    assert freed[-1] == "t"
+
+
 def test_eager_steps_served_while_graphs_compile_are_not_the_configurations_speed(
     smollm2: Any,
 ) -> None:

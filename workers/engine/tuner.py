@@ -51,6 +51,7 @@ from typing import Any
 
 from workers.engine.autoconfig import Choice, ConfigReport
 from workers.engine.heap import trim_heap
+from workers.engine.threads import release_openmp_pool
 
 __all__ = ["ConfigTuner", "TunerSettings", "expected_tok_s", "served_ratio"]
 
@@ -229,6 +230,11 @@ class ConfigTuner:
             self._reprobe(why)
         finally:
             self.busy = False
+            # the probe and the build ran torch work here: this thread's OpenMP pool, left
+            # beside the serving engine's, makes more threads than CPUs, and libgomp then
+            # throttles the spinning of both (workers/engine/threads.py): first starts served
+            # 4-24 % slower than a start with the probe stored (docs/BENCHMARKS.md)
+            release_openmp_pool()
 
     def _reprobe(self, why: str) -> None:
         self._last_reprobe = self.clock()
