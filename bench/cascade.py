@@ -39,11 +39,13 @@ run instead of loading the models again. JSON on stdout (and `--out`).
 With `--serving` (needs the local stack), the served cascade instead: `bench.serving`'s open
 loop (`--rates`, `--mix`, `--duration`, one seed: the same texts at the same times) against
 three `tolk worker`s in turn: the small model alone, `--cascade LARGE` with `--thresholds`,
-and the large model alone; per rate the cascade's P50 over the small model's (issue #44
+and the large model alone (`--repeats` rounds of the three, each arm's median over them:
+one 60-s point of one worker moved 0.096-0.142 s between runs); per rate the cascade's P50
+over the small model's (issue #44
 Done-when 2: <= 1.3) and its P99 of OK replies over the large model's (<= 1.0; of OK replies
 because a withheld answer makes the P99 of all offered requests infinite).
 
-    python -m bench.cascade --serving --rates 1 --duration 60 \
+    python -m bench.cascade --serving --rates 1 --duration 60 --repeats 2 \
         --thresholds workers/stages/cascade/thresholds.json --out bench/out/cascade-serving.json
 """
 
@@ -53,6 +55,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -172,8 +175,10 @@ def curves(
     large: np.ndarray,
     shares: Sequence[float],
 ) -> dict[str, Any]:
-    """For one group of items: chrF of small and large alone, and per ranking and share the
-    cascade's chrF and the share of the large model's gain it recovers."""
+    """For one group of items: chrF of small and large alone, per ranking and share the
+    cascade's chrF and the share of the large model's gain it recovers, and per ranking the
+    least share that brings it within `WITHIN_CHRF` of the large model (`within_at`, None:
+    none of `shares`; the oracle's is what Done-when 1 can ask of any signal on these items)."""
     s, la = small[indices], large[indices]
     small_chrf, large_chrf = chrf(s), chrf(la)
     gap = large_chrf - small_chrf
@@ -182,17 +187,22 @@ def curves(
         "small_chrF": round(small_chrf, 2),
         "large_chrF": round(large_chrf, 2),
         "rankings": {},
+        "within_at": {},
     }
     for name, values in ranks.items():
         picked = [values[i] for i in indices]
-        points = {}
-        for share in shares:
+        points: dict[str, dict[str, float | None]] = {}
+        within: float | None = None
+        for share in sorted(shares):
             c = chrf(cascade_stats(s, la, deferred_lowest(picked, share)))
+            if within is None and large_chrf - c <= WITHIN_CHRF:
+                within = share
             points[f"{share:g}"] = {
                 "chrF": round(c, 2),
                 "recovered": round((c - small_chrf) / gap, 3) if abs(gap) > 1e-9 else None,
             }
         row["rankings"][name] = points
+        row["within_at"][name] = within
     return row
 
 
@@ -350,9 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serving(args: argparse.Namespace) -> dict[str, Any]:
-    """The three workers under the same load, one after another (module notes)."""
+    """The three workers under the same load, one after another, `--repeats` rounds in turn
+    (small, cascade, large, small, ...: a drift of the machine reaches all three alike); per
+    arm and rate the median P50 and P99 of OK over the rounds, each round's P50 kept."""
     from bench import serving as bench_serving
-    from bench.first_start import by_rate
+    from bench.first_start import by_rate, median_of_starts
 
     flags = "--no-cache"
     arms = {
@@ -361,17 +373,24 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
                     f"{args.thresholds}"),
         "large": (args.large, flags),
     }  # fmt: skip
-    figures: dict[str, Any] = {}
-    for name, (model, worker_args) in arms.items():
-        argv = [
-            "--systems", "tolk", "--model", model, f"--worker-args={worker_args}",
-            "--rates", args.rates, "--mix", args.mix, "--duration", str(args.duration),
-            "--repeats", "1", "--seed", str(args.seed),
-        ]  # fmt: skip
-        ns = bench_serving.parse_args(argv)
-        ns.argv = argv
-        figures[name] = by_rate(bench_serving.run(ns))
-        print(f"[cascade] {name}: {figures[name]}", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+    for round_ in range(args.repeats):
+        for name, (model, worker_args) in arms.items():
+            argv = [
+                "--systems", "tolk", "--model", model, f"--worker-args={worker_args}",
+                "--rates", args.rates, "--mix", args.mix, "--duration", str(args.duration),
+                "--repeats", "1", "--seed", str(args.seed),
+            ]  # fmt: skip
+            ns = bench_serving.parse_args(argv)
+            ns.argv = argv
+            runs[name].append(by_rate(bench_serving.run(ns)))
+            print(f"[cascade] {name} round {round_}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    figures = {name: median_of_starts(rows) for name, rows in runs.items()}
+    for rate, row in figures["cascade"].items():  # the outcomes of every round together
+        counts: Counter[str] = Counter()
+        for one in runs["cascade"]:
+            counts.update(one.get(rate, {}).get("cascade_outcomes", {}))
+        row["cascade_outcomes"] = dict(counts)
     ratios: dict[str, Any] = {}
     for rate, cascade in figures["cascade"].items():
         small, large = figures["small"].get(rate, {}), figures["large"].get(rate, {})
@@ -430,6 +449,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default="1")
     p.add_argument("--mix", default="de=0.5,en=0.5")
     p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--repeats", type=int, default=1, help="--serving: rounds of the three arms")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 

@@ -60,6 +60,10 @@ def test_a_signal_low_on_the_errors_recovers_the_whole_gain_like_the_oracle() ->
     assert row["rankings"]["small_logprob"]["0.3"]["recovered"] < 0.7
     assert 0 < row["rankings"]["large_logprob"]["0.1"]["recovered"] < 1.0
     assert best_signal(row, 0.3) == "large_logprob"
+    # the least share within 1 chrF of the large model: 30 % for a ranking that finds the
+    # errors, none of the shares for one that does not
+    assert row["within_at"]["oracle"] == row["within_at"]["large_logprob"] == 0.3
+    assert row["within_at"]["small_logprob"] is None
     # with the checks: a flagged answer ranks first (None), whatever its score
     flagged = [i == 0 for i in range(len(items))]
     with_checks = rankings({"large_logprob": good}, flagged, gain, seed=0)
