@@ -232,8 +232,9 @@ class ConfigTuner:
             self.busy = False
             # the probe and the build ran torch work here: this thread's OpenMP pool, left
             # beside the serving engine's, makes more threads than CPUs, and libgomp then
-            # throttles the spinning of both (workers/engine/threads.py): first starts served
-            # 4-24 % slower than a start with the probe stored (docs/BENCHMARKS.md)
+            # throttles the spinning of both (workers/engine/threads.py): the likely reason
+            # first starts served 4-24 % slower than a start with the probe stored
+            # (docs/BENCHMARKS.md, "Five first starts, 120-s points")
             release_openmp_pool()
 
     def _reprobe(self, why: str) -> None:
