@@ -112,6 +112,7 @@ def cpu_flags() -> list[str]:
 def machine_info(threads: int | None = None) -> JSON:
     """Where the numbers were taken. Heavy libraries are reported only if already imported."""
     info: JSON = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "cpu_model": cpu_model(),
         "cpu_flags": cpu_flags(),
         "logical_cpus": os.cpu_count(),

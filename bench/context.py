@@ -221,7 +221,7 @@ def kept_warm(
             turns.append(t)
             if start_turns == 0:
                 continue
-            cold_engine.kv.reset_prefix_cache()  # cold: only the turn's language prefix cached
+            cold_engine.kv.prefix.reset()  # cold: only the turn's language prefix cached
             cold_engine.warm([u.target_lang])
             req = GenerationRequest(
                 f"cold-{rid}", recorder.prompts[rid], SamplingParams(max_new_tokens=1)
@@ -374,7 +374,7 @@ def main() -> None:
         seconds: dict[str, float] = {}
         passes: dict[str, list[list[TurnRun]]] = {}
         for name in args.passes:
-            engine.kv.reset_prefix_cache()
+            engine.kv.prefix.reset()
             engine.warm(["en", "de"])
             # the service's checks with --faithful, policy flag: every text is scored
             served = _served(

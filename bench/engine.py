@@ -203,7 +203,7 @@ def tolk_worker(args: argparse.Namespace, prompts: JSON) -> JSON:
 
         def once(texts: Sequence[str] = texts, batch: int = batch) -> JSON:
             if prefix_cache:  # untimed: only the language prefix cached, not the last repeat's
-                engine.kv.reset_prefix_cache()  # prompts (every repeat sends the same texts)
+                engine.kv.prefix.reset()  # prompts (every repeat sends the same texts)
                 engine.warm([TARGET_LANG])
             reqs = requests(texts, new)
             prompt_tokens = sum(len(r.prompt_ids) for r in reqs)

@@ -2,7 +2,7 @@
 
     python -m bench.faithful_language [--tatoeba 300] [--out bench/out/faithful_language.json]
 
-`workers/stages/faithful/language.py` withholds (or retries) an answer it calls "untranslated"
+`workers/text/language.py` withholds (or retries) an answer it calls "untranslated"
 or "wrong_language", so a call on a good translation costs a customer an answer. This measures,
 per language pair, on the parallel data in `data/` (BConTrasT train + dev: real support chat
 turns, en<->de; a seeded sample of `--tatoeba` Tatoeba pairs per en<->de/fr/it/es direction):
@@ -51,7 +51,7 @@ def pairs(tatoeba: int, seed: int = 0) -> list[tuple[str, str, str, str, str]]:
 
 
 def measure(rows: Sequence[tuple[str, str, str, str, str]]) -> dict[str, Any]:
-    from workers.stages.faithful.language import MIN_LETTERS, language_problem, scored_text
+    from workers.text.language import MIN_LETTERS, language_problem, scored_text
 
     per: dict[str, dict[str, Any]] = {}
     for corpus, src, tgt, source, reference in rows:
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> JSON:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from workers.stages.faithful import language
+    from workers.text import language
 
     rows = pairs(args.tatoeba, args.seed)
     per = measure(rows)

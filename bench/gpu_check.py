@@ -55,7 +55,7 @@ def cpu_reference(model: str, texts: Sequence[str], tokens: int) -> dict[str, An
     loaded = load_model(model, dtype=torch.float32, device="cpu")
     engine = Engine(loaded, EngineConfig(model=model, device="cpu", kv_cache_tokens=8192))
     recorder = ds._LogitRecorder(engine.model)
-    engine.sampler = recorder
+    engine.use_sampler(recorder)
     t0 = time.perf_counter()
     results = engine.generate(translations(engine, texts, tokens))
     return {

@@ -2,7 +2,7 @@
 
 Takes real support turns with protected spans (BConTrasT dev: customers write German, agents
 English; numbers, times, prices), translates each one through the engine once unmasked (the
-baseline) and once masked with every form of `workers.stages.protected.rules.MASK_STYLES`, all in
+baseline) and once masked with every form of `workers.text.spans.MASK_STYLES`, all in
 one
 batch per model, and counts per form:
 
@@ -27,7 +27,7 @@ import torch
 
 from bench._common import dump, machine_info, parse_csv, write_json
 from replay.datasets import bcontrast
-from workers.stages.protected.rules import (
+from workers.text.spans import (
     MASK_STYLES,
     MaskConflict,
     Masked,

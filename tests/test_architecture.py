@@ -110,12 +110,12 @@ def violations(package: str, root: Path = ROOT) -> list[str]:
 # they import nothing of the project but types and each other
 PURE_MODULES = (
     "workers/arms.py",
-    "workers/stages/faithful/language.py",
+    "workers/text/language.py",
     "workers/stages/faithful/names.py",
     "workers/stages/faithful/numbers.py",
     "workers/stages/faithful/rules.py",
     "workers/stages/faithful/spans.py",
-    "workers/stages/protected/rules.py",
+    "workers/text/spans.py",
     "workers/kafka/engine_retries.py",
 )
 _PURE_NAMES = {m.removesuffix(".py").replace("/", ".") for m in PURE_MODULES}
@@ -206,14 +206,13 @@ def test_rules_catch_each_kind_of_forbidden_import(tmp_path: Path) -> None:
 
 CYCLE_ROOTS = ("workers", "topics", "schemas", "kernels", "replay", "bench")
 PRODUCT = ("workers", "topics", "schemas", "kernels", "replay")
-MAX_LINES = 400
+MAX_LINES = 600  # the test's limit
+REVIEW_LINES = 400  # past this a file says in its opening docstring why it is one concern
 
-# Product files allowed over MAX_LINES, named one by one with what is left to split. The cap
-# is a smell detector, not a shape (issue #46: no class cut in two to fit it): the CLI's worker
-# command (one declaration per option; #46's one options object reshapes it) and the engine
-# (its step runner and results as members, #46) each passed 400 by their speculative-decoding
-# lines (issue #43).
-LINE_ALLOWLIST: frozenset[str] = frozenset({"workers/cli.py", "workers/engine/engine.py"})
+# The cap is a smell detector, not a shape (issue #46: no class cut in two to fit it). A
+# product file over REVIEW_LINES keeps its length only with a reason a reviewer can read: its
+# module docstring holds a paragraph starting "One concern" that says why it is not split.
+ONE_CONCERN = "One concern"
 
 
 def module_files(root: Path = ROOT, packages: tuple[str, ...] = CYCLE_ROOTS) -> dict[str, Path]:
@@ -340,13 +339,121 @@ def product_line_counts(root: Path = ROOT) -> dict[str, int]:
     }
 
 
-def test_no_product_file_over_400_lines() -> None:
+def test_no_product_file_over_600_lines_and_one_over_400_says_why() -> None:
     counts = product_line_counts()
     assert len(counts) > 100, "found too few product files"
-    over = sorted(
-        f"{f}: {n} lines" for f, n in counts.items() if n > MAX_LINES and f not in LINE_ALLOWLIST
-    )
+    over = sorted(f"{f}: {n} lines" for f, n in counts.items() if n > MAX_LINES)
     assert not over, "split by concern:\n" + "\n".join(over)
+    unexplained = sorted(
+        f"{f}: {n} lines"
+        for f, n in counts.items()
+        if n > REVIEW_LINES and ONE_CONCERN not in (ast.get_docstring(_parse(ROOT / f)) or "")
+    )
+    assert not unexplained, (
+        f"over {REVIEW_LINES} lines: say in the module docstring why it is one concern "
+        f"('{ONE_CONCERN}: ...'), or split it by concern:\n" + "\n".join(unexplained)
+    )
+
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+# -- the layer order (issue #46) ----------------------------------------------------------------
+#
+# Every product module sits in one layer; a module imports only from its own layer or below
+# (an import anywhere counts: function-level and TYPE_CHECKING ones too). Lowest first. A new
+# module must be placed (the test names it): the order is a decision, not an accident.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # leaves: kernels, the Avro schemas, pure helpers and vocabularies both sides share
+    (
+        "kernels",
+        "schemas",
+        "workers.arms",
+        "workers.breaker",
+        "workers.cache_ttl",
+        "workers.context_layouts",
+        "workers.log_levels",
+        "workers.ports",
+        "workers.redaction",
+        "workers.reply_metadata",
+        "workers.text",
+        "workers.text_normal",
+        "workers.tracing",
+    ),
+    ("topics", "workers.engine"),  # the topic catalog and cluster check; the decoder
+    ("workers.fairness", "workers.store"),  # fair share over the engine's types; Redis results
+    ("workers.settings",),  # read once at the edge, by everyone above
+    # the replay job: a Kafka client of the workers, below every part of the serving side, so
+    # it cannot reach into one (it talks to workers only through Kafka)
+    ("replay",),
+    ("workers.tm",),  # the phrase index (reads replay's log format)
+    ("workers.stages",),  # the pipeline's stages around the engine
+    ("workers.serving", "workers.metrics", "workers.metrics_engine", "workers.metrics_stages"),
+    # Kafka clients: the worker's Kafka side, the bots' client, the guard; the probe servers
+    (
+        "workers.kafka",
+        "workers.client",
+        "workers.guard",
+        "workers.health",
+        "workers.process_hooks",
+    ),
+    ("workers.worker", "workers.loadtest", "workers.rollout_cli"),
+    ("workers.worker_start", "workers.demo"),
+    ("workers.cli", "=workers"),  # the CLI composes everything; "=": the package itself only
+)
+
+
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int | None:
+    """The index of the layer whose longest prefix matches `module` ("=name": that module
+    only, not its submodules), None when none does."""
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for i, prefixes in enumerate(layers):
+        for prefix in prefixes:
+            exact = prefix.startswith("=")
+            hit = module == prefix[1:] if exact else _matches(module, prefix)
+            if hit and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), i)
+    return None if best is None else best[1]
+
+
+def upward_imports(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> tuple[list[str], list[str]]:
+    """(`a (layer i) imports b (layer j > i)` for every upward edge, modules in no layer)."""
+    unplaced = sorted(m for m in graph if layer_of(m, layers) is None)
+    upward = []
+    for a in sorted(graph):
+        la = layer_of(a, layers)
+        for b in sorted(graph[a]):
+            lb = layer_of(b, layers)
+            if la is not None and lb is not None and lb > la:
+                upward.append(f"{a} (layer {la}) imports {b} (layer {lb})")
+    return upward, unplaced
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    graph = import_graph(ROOT, PRODUCT)
+    assert len(graph) > 100, "the graph found too few modules"
+    upward, unplaced = upward_imports(graph)
+    assert not unplaced, "place these modules in LAYERS:\n" + "\n".join(unplaced)
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import_and_an_unplaced_module(tmp_path: Path) -> None:
+    (tmp_path / "workers" / "low").mkdir(parents=True)
+    (tmp_path / "workers" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "workers" / "low" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "workers" / "low" / "a.py").write_text(
+        "def late():\n    from workers.high import b\n", encoding="utf-8"
+    )
+    (tmp_path / "workers" / "high.py").write_text("from workers.low.a import late\n")
+    (tmp_path / "workers" / "stray.py").write_text("X = 1\n", encoding="utf-8")
+    layers = (("workers.low",), ("workers.high", "=workers"))
+    graph = import_graph(tmp_path, ("workers",))
+    upward, unplaced = upward_imports(graph, layers)
+    assert upward == ["workers.low.a (layer 0) imports workers.high (layer 1)"]
+    assert unplaced == ["workers.stray"]  # "=workers" places the package, not its modules
 
 
 # -- the allowed imports of the layout by concern (issue 27, item 6) ----------------------------
@@ -417,8 +524,6 @@ NEW_LAYOUT_ALLOWED: dict[str, tuple[str, ...]] = {
     # a TM built from replay logs reads them with the replay job's own reader (one definition of
     # the log format) and checks rows with its checks (replay/log_records.py)
     "workers/tm": ("replay.logs", "replay.log_records"),
-    "workers/client": ("workers.kafka.config",),  # check_broker: one connection check
-    "workers/settings.py": ("workers.stages.context.rules",),  # the prompt layouts' names (pure)
 }
 
 

@@ -11,6 +11,11 @@
     tolk guard                         the canary guard: windows, rollback, promotion
     tolk translate "text" --to de      one request through Kafka
     tolk demo                          the end-to-end demo
+
+One concern, over 400 lines: the commands' declarations. Each option is one typed parameter
+with its help text, and `tolk worker` alone declares some forty; the work behind each command
+lives elsewhere (worker_start.py, rollout_cli.py, replay/cli.py, tm/cli.py). Issue #46's one
+options object would move the worker's options into a typed tree and shorten this file.
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ def _settings(**overrides: Any) -> Any:
 def _check_broker_or_exit(settings: Any) -> None:
     """Fail fast, before the model loads, when the broker cannot be reached with the
     configured security settings (a protocol mismatch, bad credentials, an unknown CA)."""
-    from workers.kafka.config import KafkaConnectionError, check_broker
+    from topics.cluster import KafkaConnectionError, check_broker
 
     try:
         check_broker(settings.kafka_common())

@@ -233,7 +233,11 @@ def describe_local_worker(port: int | None = None, timeout_s: float = 1.0) -> st
     if config.get("probing"):
         lines.append("  probing in the background")
     if config.get("served_vs_probe") is not None:
-        lines.append(f"  served decode speed: {config['served_vs_probe']:.2f}x the probe's figure")
+        normal = config.get("served_normal", 1.0)
+        lines.append(
+            f"  served decode speed: {config['served_vs_probe']:.2f}x the probe's figure"
+            + ("" if normal == 1.0 else f" (normal on this workload: {normal:.2f}x)")
+        )
     if config.get("switches"):
         lines.append(f"  switches: {config['switches']} (last: {config['last_switch']})")
     lines += [f"  candidate {c}" for c in config.get("candidates", [])]

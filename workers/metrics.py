@@ -6,10 +6,11 @@ conversation ids or free text never become labels (each label value is a time se
 own: an unbounded label grows Prometheus' memory without bound).
 
 The metrics of the serving stages (protected spans, faithfulness, translation-memory retrieval,
-conversation context, the exact-match cache) are registered by `workers/metrics_stages.py`'s
-`StageMetrics`, and those of the engine's own statistics (KV use, prefix hits, steps by kind)
-by `workers/metrics_engine.py`'s `EngineMetrics`; `WorkerMetrics` inherits both: same names,
-same attributes.
+conversation context, the exact-match cache) are `WorkerMetrics.stages`
+(`workers/metrics_stages.py`'s `StageMetrics`, bound to the stages), and those of the engine's
+own statistics (KV use, prefix hits, steps by kind, the served configuration) are
+`WorkerMetrics.engine` (`workers/metrics_engine.py`'s `EngineMetrics`, fed from the engine's
+snapshots): members over the one injected registry, not base classes.
 
 Tests pass a fresh `CollectorRegistry()` so several workers in one process do not collide;
 the worker process uses the default registry and `start_http_server(port)`.
@@ -48,7 +49,7 @@ _LAGS = {
 }
 
 
-class WorkerMetrics(StageMetrics, EngineMetrics):
+class WorkerMetrics:
     """Every metric the worker exports. Pass the registry; nothing registers globally."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str = "tolk") -> None:
@@ -252,7 +253,7 @@ class WorkerMetrics(StageMetrics, EngineMetrics):
             namespace=ns,
             registry=registry,
         )
-        self._register_stage_metrics(ns, registry)  # workers/metrics_stages.py
+        self.stages = StageMetrics(registry, ns)  # workers/metrics_stages.py
         # -- the reply path's retry queue (workers/kafka/reply_publisher.py) --
         self.reply_retries_total = Counter(
             "reply_retries_total",
@@ -269,8 +270,7 @@ class WorkerMetrics(StageMetrics, EngineMetrics):
             namespace=ns,
             registry=registry,
         )
-        self._register_cache_metrics(ns, registry)  # workers/metrics_stages.py
-        self._register_engine_metrics(ns, registry)  # workers/metrics_engine.py
+        self.engine = EngineMetrics(registry, ns)  # workers/metrics_engine.py
 
         # -- backlog per language, read from the broker (workers/kafka/drain.py, every few
         # seconds) --

@@ -1,12 +1,10 @@
-"""The worker's metrics of the engine's own statistics, registered into its metrics container.
+"""The worker's metrics of the engine's own statistics: `EngineMetrics`, a member of the
+worker's metrics container (`WorkerMetrics.engine`) over the same injected registry.
 
-Split out of workers/metrics.py (no product file over 400 lines), definitions unchanged:
-`WorkerMetrics` inherits `EngineMetrics` and calls `_register_engine_metrics` from its
-constructor where these definitions stood, and each metric is still an attribute of the one
-container over the injected registry. The engine must not import prometheus_client
-(tests/test_architecture.py): the worker polls an `EngineSnapshot`
-(workers/engine/engine_snapshot.py) every half second and `update_engine` copies it in, turning
-its cumulative counts into Prometheus counters by their increments.
+The engine must not import prometheus_client (tests/test_architecture.py): the worker polls an
+`EngineSnapshot` (workers/engine/engine_snapshot.py) every half second and `update` copies it
+in, turning its cumulative counts into Prometheus counters by their increments; `update_config`
+copies the tuner's `ConfigReport` into the info metric.
 """
 
 from __future__ import annotations
@@ -19,7 +17,10 @@ __all__ = ["EngineMetrics"]
 
 
 class EngineMetrics:
-    """The engine's metrics (module notes); `WorkerMetrics` registers them."""
+    """The engine's metrics (module notes), registered into `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str = "tolk") -> None:
+        self._register_engine_metrics(namespace, registry)
 
     def _register_engine_metrics(self, ns: str, registry: CollectorRegistry) -> None:
         self.engine_kv_usage = Gauge(
@@ -114,7 +115,7 @@ class EngineMetrics:
             self.engine_config_switches.inc(report.switches - last)
         self._engine_seen["config_switches"] = report.switches
 
-    def update_engine(self, snapshot: Any) -> None:
+    def update(self, snapshot: Any) -> None:
         """Copy an `EngineSnapshot` (workers/engine/engine_snapshot.py) into the engine metrics.
 
         Its counters are cumulative since the engine was built; each Prometheus counter grows by

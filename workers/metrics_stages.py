@@ -1,14 +1,12 @@
-"""The worker's metrics of its serving stages, registered into the worker's metrics container.
+"""The worker's metrics of its serving stages: `StageMetrics`, a member of the worker's metrics
+container (`WorkerMetrics.stages`) over the same injected registry.
 
-Split out of workers/metrics.py (issue 27: no product file over 400 lines), definitions
-unchanged: `WorkerMetrics` inherits `StageMetrics` and calls `_register_stage_metrics` and
-`_register_cache_metrics` from its constructor, where these definitions stood (so the
-registry's order holds), and each metric is still an attribute of the one container over the
-injected registry (`metrics.cache_hits_total`, ...). What is here is counted by the stages
-around the engine, each named next to its metric: protected spans, the faithfulness check and
-its outcomes, the cascade's outcomes and scores, translation-memory retrieval, conversation
-context, and the exact-match translation cache (L1/L2 hits, joins, evictions, hit latency, L2
-health). The label rule of workers/metrics.py holds: bounded label sets only.
+What is here is counted by the stages around the engine, each named next to its metric:
+protected spans, the faithfulness check and its outcomes, the cascade's outcomes and scores,
+translation-memory retrieval, conversation context, and the exact-match translation cache
+(L1/L2 hits, joins, evictions, hit latency, L2 health). The worker binds this object to its
+stages (`ServedEngine.bind_metrics(metrics.stages)`), so a stage sees its own metrics and none
+of the worker's. The label rule of workers/metrics.py holds: bounded label sets only.
 """
 
 from __future__ import annotations
@@ -26,7 +24,11 @@ _CACHE_HIT_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3
 
 
 class StageMetrics:
-    """The serving stages' metrics (module notes); `WorkerMetrics` registers them."""
+    """The serving stages' metrics (module notes), registered into `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str = "tolk") -> None:
+        self._register_stage_metrics(namespace, registry)
+        self._register_cache_metrics(namespace, registry)
 
     def _register_stage_metrics(self, ns: str, registry: CollectorRegistry) -> None:
         self.protected_spans_total = Counter(  # workers/stages/protected/stage.py

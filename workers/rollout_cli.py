@@ -263,8 +263,8 @@ def guard(
         raise typer.BadParameter(str(exc), param_hint="--metrics-port") from None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings, events_topic, control_topic = _target(bootstrap)
+    from topics.cluster import KafkaConnectionError, check_broker
     from workers.guard.broker_auth import GuardSecurityError, faust_credentials
-    from workers.kafka.config import KafkaConnectionError, check_broker
     from workers.ports import in_use_message, port_in_use
 
     if port is not None and port > 0 and port_in_use(port):  # before reaching the broker

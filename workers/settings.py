@@ -64,6 +64,7 @@ from typing import Any
 
 from workers.arms import validate_arm_name
 from workers.cache_ttl import TtlTiers, parse_ttl_tiers
+from workers.context_layouts import DEFAULT_LAYOUT, LAYOUTS
 from workers.fairness.policy import (
     DEFAULT_BURST_TOKENS,
     DEFAULT_POLICIES,
@@ -72,7 +73,6 @@ from workers.fairness.policy import (
 )
 from workers.ports import parse_port, valid_port_setting
 from workers.redaction import mask_url, with_password
-from workers.stages.context.rules import DEFAULT_LAYOUT, LAYOUTS
 
 __all__ = ["Settings", "default_worker_id"]
 

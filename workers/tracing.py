@@ -26,12 +26,12 @@ Off by default (`tracing="off"`): nothing is recorded, no header is read. `"otlp
 through the OTLP/HTTP exporter (`pip install opentelemetry-exporter-otlp-proto-http`; its
 standard `OTEL_EXPORTER_OTLP_*` variables say where); tests hand the worker a tracer provider
 with the SDK's in-memory exporter. This module is the only one of the worker and the client
-that imports OpenTelemetry.
+that imports OpenTelemetry. It imports nothing of the worker: the Kafka side makes a
+`RequestTrace` from its records (`workers.kafka.records.request_trace`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,10 +41,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from workers.engine.types import GenerationResult
-from workers.kafka.records import ConsumedRecord, InFlight
-from workers.settings import Settings
-
 __all__ = [
     "TRACEPARENT",
     "RequestTrace",
@@ -52,7 +48,6 @@ __all__ = [
     "client_span",
     "inject_traceparent",
     "otlp_tracer_provider",
-    "request_trace",
     "request_tracer",
     "traceparent_of",
 ]
@@ -155,13 +150,13 @@ def _phases(req: RequestTrace, delivered_ns: int) -> list[tuple[str, int, int]]:
     ]
 
 
-def request_tracer(settings: Settings, provider: Any = None) -> RequestTracer | None:
+def request_tracer(mode: str, worker_id: str, provider: Any = None) -> RequestTracer | None:
     """The worker's tracer: over `provider` when one is given (tests, embedding), else as
-    `settings.tracing` says ("off": None; "otlp": the OTLP/HTTP exporter)."""
+    `mode` (`Settings.tracing`) says ("off": None; "otlp": the OTLP/HTTP exporter)."""
     if provider is None:
-        if settings.tracing == "off":
+        if mode == "off":
             return None
-        provider = otlp_tracer_provider("tolk-worker", {"service.instance.id": settings.worker_id})
+        provider = otlp_tracer_provider("tolk-worker", {"service.instance.id": worker_id})
     return RequestTracer(provider)
 
 
@@ -182,27 +177,3 @@ def otlp_tracer_provider(service_name: str, resource_attributes: Mapping[str, st
     provider = SdkTracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return provider
-
-
-def request_trace(
-    rec: ConsumedRecord, engine: tuple[InFlight, GenerationResult] | None, status: str
-) -> RequestTrace:
-    """The timestamps of `rec`'s way through the worker, for its spans."""
-    now_ns = time.time_ns()
-    req = RequestTrace(
-        parent=rec.trace_parent,
-        lang=rec.lang,
-        request_id=rec.request_id,
-        broker_ns=rec.broker_ts_ms * 1_000_000,
-        taken_ns=rec.taken_ns or now_ns,
-        produced_ns=now_ns,
-        status=status,
-    )
-    if engine is not None:
-        inflight, result = engine
-        req.submitted_ns = inflight.submitted_ms * 1_000_000
-        req.queue_s = result.timings.queue_s
-        req.prefill_s = result.timings.prefill_s
-        req.decode_s = result.timings.decode_s
-        req.completed_ns = now_ns
-    return req

@@ -122,7 +122,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.registry)
         self.metrics.init_languages(settings.languages)
         if hasattr(engine, "bind_metrics"):  # workers.stages.protected.stage counts in our metrics
-            engine.bind_metrics(self.metrics)
+            engine.bind_metrics(self.metrics.stages)
         self.arms = ArmRouter.for_settings(settings, self.metrics, arm_shares)  # None: no arm
         degraded = self.metrics.store_degraded_total
         if store is None:
@@ -153,7 +153,7 @@ class Worker:
             reply_topics=ReplyTopicChecker(settings.topic_check_ttl_s),
             mark_done=self.life.done,
             clock_ms=self._now_ms,
-            tracer=request_tracer(settings, tracer_provider),
+            tracer=request_tracer(settings.tracing, settings.worker_id, tracer_provider),
         )
         self.runs = EngineRuns(engine, settings, self.life, self.metrics, self._now_ms)
         self.records = RecordIntake(  # the intake step: a consumed batch -> outcomes
@@ -368,7 +368,7 @@ class Worker:
             self.metrics.update_fairness(snapshot())
         engine_stats = getattr(self.engine, "stats_snapshot", None)  # Engine / FairEngine
         if callable(engine_stats):  # KV use, prefix hits, preemptions (engine_snapshot.py)
-            self.metrics.update_engine(engine_stats())
+            self.metrics.engine.update(engine_stats())
         self.publisher.update_token_rate(now)
 
     # -- introspection (tests, health) ---------------------------------------------------------

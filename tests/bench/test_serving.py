@@ -215,7 +215,7 @@ def test_a_cascade_workers_outcomes_are_scraped_summed_over_languages() -> None:
     from workers.metrics import WorkerMetrics
 
     metrics = WorkerMetrics(registry=CollectorRegistry())
-    outcomes = metrics.cascade_outcomes_total
+    outcomes = metrics.stages.cascade_outcomes_total
     outcomes.labels(lang="de", outcome="small").inc(2)
     outcomes.labels(lang="en", outcome="small").inc()
     outcomes.labels(lang="de", outcome="deferred").inc()
@@ -448,3 +448,21 @@ def test_repeated_starts_of_an_explicit_configuration_count_by_their_median() ->
     assert merged["p50_runs"] == [0.121, 0.154, 0.133]
     missed = median_of_starts([{"1": {"p50_s": None, "p99_ok_s": None}}])["1"]
     assert missed["p50_s"] is None and missed["p50_runs"] == []
+
+
+def test_a_paired_first_start_is_judged_against_the_explicit_starts_right_after_it() -> None:
+    """bench.first_start --paired: the host's pace moves by more than 10 % over an hour, so a
+    first start is compared with the fastest explicit start of its own pair, rate by rate."""
+    from bench.first_start import paired_ratios
+
+    row = {"rates": {"1": {"p50_s": 0.130}, "2": {"p50_s": 0.120}, "4": {"p50_s": None}}}
+    pair = {
+        "int8+compiled": {"1": {"p50_s": 0.125}, "2": {"p50_s": 0.100}, "4": {"p50_s": 0.2}},
+        "int8": {"1": {"p50_s": 0.140}, "2": {"p50_s": None}},
+    }
+    paired_ratios(row, pair)
+    assert row["paired"] is pair
+    one, two, four = row["rates"]["1"], row["rates"]["2"], row["rates"]["4"]
+    assert one["p50_over_paired"] == 1.04 and one["within_paired"]
+    assert two["p50_over_paired"] == 1.2 and not two["within_paired"]
+    assert "p50_over_paired" not in four  # a first start that missed its P50 gets no ratio

@@ -222,7 +222,7 @@ PROMPTS = [[5, 9, 2, 77, 31], [8, 1, 3, 3, 90, 14, 15, 16, 2, 9, 10, 40, 41, 42,
 
 def recorded(engine: Engine) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     recorder = ds._LogitRecorder(engine.model)
-    engine.sampler = recorder
+    engine.use_sampler(recorder)
     tokens = greedy_tokens(engine, PROMPTS, 10)
     return tokens, [recorder.logits[f"check-{i}"] for i in range(len(PROMPTS))]
 

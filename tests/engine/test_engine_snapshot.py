@@ -28,10 +28,10 @@ def _engine() -> SimpleNamespace:
 
 
 def _run(kv: KVCacheManager, seq_id: str, tokens: list[int]) -> None:
-    cached = kv.find_cached_prefix(tokens)
+    cached = kv.prefix.find_cached_prefix(tokens)
     assert kv.allocate_slots(seq_id, tokens, cached, len(tokens) - cached)
-    kv.take_block_copies()  # the step runs the partial-hit copies and releases their sources
-    kv.commit_computed(seq_id, tokens, len(tokens))
+    kv.prefix.take_block_copies()  # the step runs the partial-hit copies and releases their sources
+    kv.prefix.commit_computed(seq_id, tokens, len(tokens))
 
 
 def test_snapshot_counts_blocks_prefix_hits_and_the_engine_tally() -> None:
@@ -91,7 +91,7 @@ def test_worker_metrics_turn_cumulative_snapshots_into_counters() -> None:
         assert got is not None, name
         return got
 
-    metrics.update_engine(
+    metrics.engine.update(
         _snap(
             kv_usage=0.25,
             running=3,
@@ -101,7 +101,7 @@ def test_worker_metrics_turn_cumulative_snapshots_into_counters() -> None:
             steps=10,
         )
     )
-    metrics.update_engine(
+    metrics.engine.update(
         _snap(
             kv_usage=0.5,
             running=1,
@@ -118,7 +118,7 @@ def test_worker_metrics_turn_cumulative_snapshots_into_counters() -> None:
     assert value("tolk_engine_preemptions_total") == 1
     assert value("tolk_engine_steps_total") == 25
     # a new engine (its counters start again) adds its own counts, never subtracts
-    metrics.update_engine(_snap(prefix_queries_tokens=20, prefix_hit_tokens=5, steps=3))
+    metrics.engine.update(_snap(prefix_queries_tokens=20, prefix_hit_tokens=5, steps=3))
     assert value("tolk_engine_prefix_cache_queries_tokens_total") == 170
     assert value("tolk_engine_prefix_cache_hits_tokens_total") == 95
     assert value("tolk_engine_steps_total") == 28
@@ -132,8 +132,8 @@ def test_steps_by_kind_reach_the_metrics_as_counters() -> None:
     assert snap.steps_by_kind == {"decode": (8, 0.2), "mixed": (2, 0.15)}
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)
-    metrics.update_engine(snap)
-    metrics.update_engine(_snap(steps_by_kind={"decode": (10, 0.25), "mixed": (2, 0.15)}))
+    metrics.engine.update(snap)
+    metrics.engine.update(_snap(steps_by_kind={"decode": (10, 0.25), "mixed": (2, 0.15)}))
 
     def value(name: str, kind: str) -> float | None:
         return registry.get_sample_value(name, {"kind": kind})

@@ -108,7 +108,7 @@ def test_scheduler_never_takes_a_scored_position_from_the_prefix_cache() -> None
     s.add_request(GenerationRequest("warm", ids, SamplingParams(1)))
     out = s.schedule()
     s.update_from_output(out, {"warm": [7]}, lambda seq, tok: (None, True))  # all cached now
-    assert kv.find_cached_prefix(ids) == 23  # at most len - 1 (partial blocks shared)
+    assert kv.prefix.find_cached_prefix(ids) == 23  # at most len - 1 (partial blocks shared)
     s.add_request(scored(ids, 10, "score"))
     (chunk,) = [c for c in s.schedule().chunks if c.seq.request_id == "score"]
     assert chunk.start == 9  # the hit stops at row 9, which scores token 10: it is computed

@@ -163,6 +163,48 @@ def test_a_probe_that_keeps_the_choice_does_not_switch() -> None:
     assert engine.config_report.in_use == "float32"
 
 
+def test_a_reprobe_that_keeps_the_configuration_learns_the_workloads_gap() -> None:
+    """The 1.5B on few-shot prompts served at 0.82x its probe figure (longer contexts than the
+    probe's) and re-probed to keep what it had; without learning that gap it would re-probe
+    every `min_reprobe_s` for good. After a keep, 0.82x is its normal: served at that speed
+    it never asks again, and a real slowdown below the normal still does."""
+    engine, clock = FakeEngine(), Clock()
+    tuner, switches = make_tuner(engine, choice(F32, FIGURES), choice(F32, FIGURES), clock)
+    whys = []
+    for _ in range(2):
+        engine.serve(1, 50, 50 / 50.0 / 0.82)  # 0.82x its own figure: below 1 - margin
+        clock.now += 30
+        whys.append(tuner.check())
+    assert whys[0] is None and whys[1] == "float32 served at 0.82x its own probe figure"
+    engine.serve(1, 500, 1.0)  # steps served while the probe shares the cores: not counted
+    tuner.reprobe(whys[1])
+    assert switches == [] and tuner.normal == pytest.approx(0.82, abs=1e-3)
+    assert engine.config_report.served_normal == pytest.approx(0.82, abs=1e-3)
+    for _ in range(6):  # the same gap, long past min_reprobe_s: never asks again
+        engine.serve(1, 50, 50 / 50.0 / 0.82)
+        clock.now += SETTINGS.min_reprobe_s
+        assert tuner.check() is None
+    slower = []
+    for _ in range(2):  # 0.6x the figure: 0.73x its normal, a real slowdown
+        engine.serve(1, 50, 50 / 50.0 / 0.6)
+        clock.now += 30
+        slower.append(tuner.check())
+    assert slower[1] == "float32 served at 0.73x its own probe figure (over its normal 0.82x here)"
+
+
+def test_a_busy_probe_or_a_switch_teaches_no_gap() -> None:
+    engine, clock = FakeEngine(), Clock()
+    busy = choice(F32, FIGURES, pending_probe=True)
+    tuner, _ = make_tuner(engine, choice(F32, FIGURES), busy, clock)
+    for _ in range(2):
+        engine.serve(1, 50, 50 / 50.0 / 0.7)
+        clock.now += 30
+        why = tuner.check()
+    assert why is not None
+    tuner.reprobe(why)  # kept, but measured on a busy host: no lesson in it
+    assert tuner.normal == 1.0
+
+
 def test_another_candidate_beating_the_served_speed_probes_again() -> None:
     # the in-use figure is close to served, but int8's figure beats what is served by > 10 %
     figures = {F32: {1: 50.0, 8: 200.0}, I8: {1: 80.0, 8: 320.0}}
@@ -227,7 +269,7 @@ def test_a_scripted_slow_configuration_is_switched_with_no_request_lost(smollm2:
     )
     models_by_request: dict[str, set[int]] = {}
     finished: list[str] = []
-    run_model, finish = slow._run_model, slow._finish
+    run_model, finish = slow._run_model, slow.results.finish
 
     def scripted_slow_run(out: Any) -> Any:  # the slow configuration: 40 ms more per step
         for c in out.chunks:
@@ -241,7 +283,7 @@ def test_a_scripted_slow_configuration_is_switched_with_no_request_lost(smollm2:
         return finish(seq)
 
     slow._run_model = scripted_slow_run  # type: ignore[method-assign]
-    slow._finish = counted_finish  # type: ignore[method-assign]
+    slow.results.finish = counted_finish  # type: ignore[method-assign]
     figures = {F32: {1: 60.0, 8: 240.0}, I8: {1: 55.0, 8: 220.0}}
     built: list[Engine] = []
 

@@ -2,7 +2,7 @@
 then dead-lettered and answered ERROR, without blocking its partition or other languages.
 
 The fault: a request whose text carries the fake engine's `POISON_MARKER`: the engine's step
-raises whenever it is in the batch, and, as the real engine does (`Engine._fail_all`), every
+raises whenever it is in the batch, and, as the real engine does (`Engine.results.fail_all`), every
 request of that batch finishes ERROR with the exception's text. It is the first record of `de`
 partition 0; valid requests follow it on that same partition and on `fr` at a steady rate, so
 they share batches with the poison's attempts. The worker resubmits an ERROR result up to

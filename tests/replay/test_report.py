@@ -134,7 +134,7 @@ def _strip_digits(text: str) -> str:
 
 
 def test_span_preservation_matches_part_u(tmp_path):
-    spans = pytest.importorskip("workers.stages.protected.rules")
+    spans = pytest.importorskip("workers.text.spans")
     requests = bcontrast_requests(12)
     sources = [
         "Order A-12345 ships to https://example.com/track?id=9 on 12.05.",

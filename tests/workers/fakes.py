@@ -6,7 +6,7 @@
   `FAIL_MARKER` (ERROR, that request alone), and can hold requests (`hold()` / `release()`) to
   test intake quotas. Poison: a request whose text contains `POISON_MARKER` (or that the
   `poison` predicate picks) makes the fake's "step" raise, and like the real engine
-  (`Engine._fail_all`) every request of that batch then finishes ERROR with the exception's
+  (`Engine.results.fail_all`) every request of that batch then finishes ERROR with the exception's
   text. A marker in the text works from a subprocess too (tests/faults/).
 * `FakeBroker` with `FakeConsumer` / `FakeProducer`: just enough of confluent-kafka's API
   (subscribe with rebalance callbacks, consume, pause/resume, seek, commit, produce with
@@ -163,7 +163,7 @@ class FakeEngine:
                     self._jobs.remove(j)
             if self.delay_s and jobs:
                 time.sleep(self.delay_s)
-            # one batch: a poison request fails it whole, as Engine._fail_all does
+            # one batch: a poison request fails it whole, as Engine.results.fail_all does
             poisoned = any(self.poison(j.text) for j in jobs if j.request_id not in self._cancelled)
             for job in jobs:
                 job.handle.set_result(self._failed(job) if poisoned else self._finish(job))

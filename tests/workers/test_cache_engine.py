@@ -286,7 +286,7 @@ def test_engines_on_other_prompt_forms_never_share_entries() -> None:
 
 def test_counts_go_into_the_worker_metrics() -> None:
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry)
+    metrics = WorkerMetrics(registry).stages
     engine = caching(l1_capacity=5)  # one entry per language
     engine.bind_metrics(metrics)
     try:

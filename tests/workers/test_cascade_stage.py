@@ -177,7 +177,8 @@ def test_a_failed_small_run_passes_through_and_the_small_signal_needs_its_scorer
 
 
 def test_metrics_start_stop_and_the_cache_key_note() -> None:
-    metrics = WorkerMetrics(registry=CollectorRegistry())
+    worker_metrics = WorkerMetrics(registry=CollectorRegistry())
+    metrics = worker_metrics.stages  # what the worker binds its stages to
     small, large = _small(DOUBTFUL_DE), _large()
     stage = CascadeEngine(small, large=large, thresholds=THRESHOLDS)
     stage.bind_metrics(metrics)
@@ -186,7 +187,7 @@ def test_metrics_start_stop_and_the_cache_key_note() -> None:
     _run(stage)
     stage.stop()
     assert not large.started
-    reg = metrics.registry
+    reg = worker_metrics.registry
     assert (
         reg.get_sample_value("tolk_cascade_outcomes_total", {"lang": "de", "outcome": "deferred"})
         == 1.0

@@ -178,7 +178,7 @@ def test_an_engine_without_a_retry_form_gets_no_retry() -> None:
 
 
 def test_counters_and_the_reply_metadata() -> None:
-    metrics = WorkerMetrics(CollectorRegistry())
+    metrics = WorkerMetrics(CollectorRegistry()).stages
     engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH), policy="flag")
     engine.bind_metrics(metrics)
     result = translate(engine, "I am waiting for you")
@@ -201,7 +201,7 @@ def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candida
             return PATIENCE_DE, FinishReason.STOP  # leak + ratio
         return "Ich habe eine kleine Einlegen, wie es gibt.", FinishReason.STOP  # ratio
 
-    metrics = WorkerMetrics(CollectorRegistry())
+    metrics = WorkerMetrics(CollectorRegistry()).stages
     engine, inner = make(script)
     engine.bind_metrics(metrics)
     result = translate(engine, "Thanks")

@@ -1,4 +1,4 @@
-"""workers/stages/faithful/language.py with the real lingua models: answers in the source
+"""workers/text/language.py with the real lingua models: answers in the source
 language or a third one are named; target-language answers, short ones and ones full of names
 and placeholders are not; the check's place in `rules.check` and in the stage's retry."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from workers.engine.types import FinishReason, TranslationRequest
-from workers.stages.faithful.language import language_problem
 from workers.stages.faithful.rules import check
 from workers.stages.faithful.stage import RETRY_SUFFIX, FaithfulEngine
+from workers.text.language import language_problem
 
 FOUND = [
     # (translation, source, target, problem): the demo's and the replay's real failures

@@ -86,7 +86,7 @@ def test_guard_log_level_sets_the_root_level_and_faust_understands_it(
         seen["loglevel"] = loglevel
 
     monkeypatch.setattr(guard_app, "run_guard", fake_run_guard)
-    monkeypatch.setattr("workers.kafka.config.check_broker", lambda conf: None)
+    monkeypatch.setattr("topics.cluster.check_broker", lambda conf: None)
     out, level = invoke(["guard", "--log-level", typed, "--metrics-port", "0"])
     assert out.exit_code == 0, (out.output, out.exception)
     assert level == number

@@ -46,14 +46,14 @@ def test_the_served_configuration_is_an_info_metric_and_switches_count() -> None
 
     reg = CollectorRegistry()
     m = WorkerMetrics(reg)
-    m.update_config(ConfigReport("int8", "chosen without measuring", probing=True))
+    m.engine.update_config(ConfigReport("int8", "chosen without measuring", probing=True))
     labels = {"in_use": "int8", "reason": "chosen without measuring", "probing": "true",
               "served_vs_probe": ""}  # fmt: skip
     assert _value(reg, "tolk_engine_config_info", **labels) == 1.0
     assert _value(reg, "tolk_engine_config_switches_total") == 0.0
     report = ConfigReport("int8+compiled", "fastest", switches=1, served_vs_probe=0.97)
-    m.update_config(report)
-    m.update_config(report)  # the same report again: counted once
+    m.engine.update_config(report)
+    m.engine.update_config(report)  # the same report again: counted once
     assert _value(reg, "tolk_engine_config_switches_total") == 1.0
     now = {"in_use": "int8+compiled", "reason": "fastest", "probing": "false",
            "served_vs_probe": "0.97"}  # fmt: skip

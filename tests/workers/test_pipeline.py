@@ -209,7 +209,7 @@ def test_a_new_stage_joins_through_the_declared_list_only() -> None:
         assert first.text == fake_translation("good morning", "de").upper()
         assert again.result(5).notes["tolk.cache"] == "l1" and engine.submitted == ["s1"]
         assert "ShoutingEngine[shout]>ProtectedSpansEngine" in served.stage("cache").fingerprint
-        metrics = WorkerMetrics(CollectorRegistry())
+        metrics = WorkerMetrics(CollectorRegistry()).stages
         served.bind_metrics(metrics)  # the worker's binding reaches the new stage
         assert served.stage("shout").metrics is metrics
     finally:

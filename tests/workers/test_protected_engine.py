@@ -19,8 +19,8 @@ from workers.kafka.replies import engine_reply
 from workers.metrics import WorkerMetrics
 from workers.serving.pipeline import ServingOptions, build_served_engine
 from workers.settings import Settings
-from workers.stages.protected.rules import DEFAULT_STYLE
 from workers.stages.protected.stage import NOTE_KEY, RETRY_SUFFIX, ProtectedSpansEngine
+from workers.text.spans import DEFAULT_STYLE
 
 TEXT = "Order A-12345 arrives at 8:30"
 
@@ -186,11 +186,11 @@ def test_text_with_mask_like_tokens_is_translated_unmasked(make_engine) -> None:
 
 def test_outcomes_go_to_the_bound_worker_metrics(make_engine) -> None:
     engine, _ = make_engine(rewrite=lambda t: t.replace("<x1>", ""))
-    metrics = WorkerMetrics(CollectorRegistry())
-    engine.bind_metrics(metrics)
+    worker_metrics = WorkerMetrics(CollectorRegistry())
+    engine.bind_metrics(worker_metrics.stages)  # as the worker binds its stages
     translate(engine, TEXT, request_id="m1")
     translate(engine, "Where is it?", request_id="m2")  # no spans: not counted
-    value = metrics.registry.get_sample_value(
+    value = worker_metrics.registry.get_sample_value(
         "tolk_protected_spans_total", {"lang": "de", "outcome": "retried_unmasked"}
     )
     assert value == 1.0

@@ -1,4 +1,4 @@
-"""workers/stages/protected/rules.py: which spans are found, masking round trips, restore
+"""workers/text/spans.py: which spans are found, masking round trips, restore
 verification
 and the preservation metric."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.stages.protected.rules import (
+from workers.text.spans import (
     DEFAULT_STYLE,
     MASK_STYLES,
     MaskConflict,

@@ -12,8 +12,8 @@ import pytest
 from bench.mask_forms import spanned_sentences
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.types import TranslationRequest
-from workers.stages.protected.rules import preservation
 from workers.stages.protected.stage import NOTE_KEY, ProtectedSpansEngine
+from workers.text.spans import preservation
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from workers.kafka.config import KafkaConnectionError, check_broker
+from topics.cluster import KafkaConnectionError, check_broker
 from workers.redaction import mask_url, redact, with_password
 from workers.settings import Settings
 from workers.store.results import RedisResultStore

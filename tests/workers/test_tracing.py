@@ -122,8 +122,10 @@ def test_one_request_trace_has_five_worker_spans_under_the_client_span(
 def test_tracing_setting_picks_the_tracer():
     from workers.tracing import RequestTracer, request_tracer
 
-    assert request_tracer(Settings(languages=("de",))) is None  # off by default
-    otlp = request_tracer(Settings(languages=("de",), tracing="otlp", worker_id="w-otlp"))
+    off = Settings(languages=("de",))
+    assert request_tracer(off.tracing, off.worker_id) is None  # off by default
+    on = Settings(languages=("de",), tracing="otlp", worker_id="w-otlp")
+    otlp = request_tracer(on.tracing, on.worker_id)
     assert isinstance(otlp, RequestTracer)
     with pytest.raises(ValueError, match="tracing"):
         Settings(languages=("de",), tracing="jaeger")

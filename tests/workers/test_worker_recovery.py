@@ -152,7 +152,7 @@ def test_poison_request_is_retried_then_dead_lettered_while_the_rest_flows() -> 
             assert replies[rid]["text"] == fake_translation(text, lang)
         assert r.metric("tolk_engine_retries_total", lang="de") >= 2  # the poison's two retries
         # the other languages' requests were in the poison's failed batches (the fake fails a
-        # batch whole, as Engine._fail_all) and still got their answer on a later run
+        # batch whole, as Engine.results.fail_all) and still got their answer on a later run
         assert r.metric("tolk_engine_retries_total", lang="fr") >= 1
         assert r.metric("tolk_engine_retries_total", lang="it") >= 1
         assert r.metric("tolk_worker_dead_letters_total", reason="poison") == 1

@@ -50,6 +50,7 @@ from confluent_kafka import Consumer, KafkaError, Producer
 
 from schemas.codec import encode_request
 from topics.catalog import REPLIES, request_topic
+from topics.cluster import KafkaConnectionError, check_broker
 from workers.client.delivery import PendingSend, RequestSender
 from workers.client.replies import ReplyListener
 from workers.client.types import (
@@ -60,7 +61,6 @@ from workers.client.types import (
     TranslationReply,
     TranslationTimeout,
 )
-from workers.kafka.config import KafkaConnectionError, check_broker
 from workers.tracing import client_span, inject_traceparent
 
 __all__ = [
@@ -114,7 +114,7 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
         waited for); default `default_timeout + deadline_grace`. The factories build the Kafka
         clients from their config (tests).
         `check_connection`: `start()` first makes one metadata request with `kafka_config`
-        (`workers.kafka.config.check_broker`) and fails at once with a readable reason (a
+        (`topics.cluster.check_broker`) and fails at once with a readable reason (a
         security protocol mismatch, bad credentials, an unknown CA); skipped with a custom
         producer factory.
         Tracing: each request carries the W3C `traceparent` of the caller's current

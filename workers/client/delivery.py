@@ -36,13 +36,13 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
+from topics.cluster import PERMANENT_PRODUCE_CODES  # no resend can fix these
 from workers.client.types import (
     TranslationError,
     TranslationNotDelivered,
     TranslationQueueFull,
     TranslationReply,
 )
-from workers.kafka.config import PERMANENT_PRODUCE_CODES  # no resend can fix these
 
 __all__ = ["PendingSend", "RequestSender"]
 

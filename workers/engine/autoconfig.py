@@ -162,6 +162,7 @@ class ConfigReport:
     switches: int = 0  # configuration changes since the worker started
     last_switch: str = ""  # from -> to, and why
     served_vs_probe: float | None = None  # served decode speed / the probe's figure, last check
+    served_normal: float = 1.0  # the ratio this workload shows at its best (tuner: `normal`)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -172,6 +173,7 @@ class ConfigReport:
             "switches": self.switches,
             "last_switch": self.last_switch,
             "served_vs_probe": self.served_vs_probe,
+            "served_normal": self.served_normal,
         }
 
 

@@ -319,7 +319,7 @@ def check_fast_path(
     tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     eager = Engine(loaded, small)
     recorder = _LogitRecorder(eager.model)
-    eager.sampler = recorder
+    eager.use_sampler(recorder)
     prompts = (
         list(prompts) if prompts is not None else check_prompts(eager, loaded.config.vocab_size)
     )

@@ -13,9 +13,10 @@ scheduler, the KV cache manager and the model, so none of them needs a lock. Eac
 The sampler (`TokenSampler`, workers/engine/sampling.py) holds each sampled request's seeded
 generator; `EngineConfig` and `EngineStats` live in workers/engine/engine_config.py and are
 re-exported here. The forward itself (eager, compiled or a CUDA graph replay, and the tokens it
-samples) is `ModelStep` in workers/engine/forward.py, and what a step's sampled tokens become
-(the stop rules, the counters, the finished results, and every request failed after a step
-raised) is `StepResults` in workers/engine/step_results.py; `Engine` inherits both.
+samples) is the member `runner`, a `ModelStep` (workers/engine/forward.py), and what a step's
+sampled tokens become (the stop rules, the counters, the finished results, and every request
+failed after a step raised) is the member `results`, a `StepResults`
+(workers/engine/step_results.py).
 
 A translation is `(text, source_lang, target_lang)` turned into prompt ids by `PromptBuilder`;
 its prefix (instructions + few-shot examples of the target language) is shared through the
@@ -34,6 +35,11 @@ pools and take turns per step (the lock is uncontended with one engine).
 
 The engine knows nothing of Kafka: the worker drives it through `submit_translation()` and
 handle callbacks (which run on the engine thread and must only enqueue).
+
+One concern, over 400 lines: the step loop and what it owns (the request intake, the loop
+thread, start and stop, the switch to another configuration, warm-up). Its forward and its
+results are members of their own (`runner`, `results`); what is left shares the loop thread's
+state and reads best in one place.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ log = logging.getLogger(__name__)
 YIELD_POLL_S = 0.002  # how often a loop yielding to another engine (`yields_to`) looks again
 
 
-class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results: step_results.py
+class Engine:
     def __init__(
         self,
         model: LoadedModel | PreparedModel,
@@ -168,10 +174,17 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         self.model_version = self.config.model_version or loaded.name
         self.languages = self.prompts.languages
         self.stats = EngineStats()
+        self._handles: dict[str, RequestHandle] = {}
+        # the step's two sides as members: the forward over the model side (rebuilt by a
+        # switch), and what its tokens become (over the parts that outlive a switch)
+        self.runner = self._model_step()
+        self.results = StepResults(
+            self.tokenizer, self.prompts, self.stats, self.scheduler, self._handles,
+            on_finish=lambda request_id: self.sampler.forget(request_id),
+        )  # fmt: skip
         # set to a list to record every step (kind, sizes, wall time): benchmarks measure
         # decode speed on the steps in which every sequence decodes
         self.step_trace: list[StepRecord] | None = None
-        self._handles: dict[str, RequestHandle] = {}
         self._inbox: queue.SimpleQueue[GenerationRequest] = queue.SimpleQueue()
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -188,6 +201,17 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         # one, whose answers are most requests' latency: workers/serving/pipeline.py)
         self.yields_to: Callable[[], bool] | None = None
         release_openmp_pool()  # packing and allocation ran here; the loop may run elsewhere
+
+    def _model_step(self) -> ModelStep:
+        return ModelStep(
+            self.model, self.kv, self.device, self.sampler, self.stats, self.compiled, self.graphs
+        )
+
+    def use_sampler(self, sampler: TokenSampler) -> None:
+        """Pick tokens with `sampler` from now on (the device check's logit recorder,
+        workers/engine/device_select.py); not while the loop runs a step."""
+        self.sampler = sampler
+        self.runner = self._model_step()
 
     @classmethod
     def from_config(
@@ -386,7 +410,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
                 self.step()
             except Exception as exc:  # a failed step fails its requests, never the thread
                 log.exception("engine step failed")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                self.results.fail_all(f"{type(exc).__name__}: {exc}")
 
     def _drain_inbox(self) -> bool:
         got = False
@@ -464,6 +488,7 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
         for name in self.MODEL_SIDE:
             setattr(self, name, getattr(other, name))
         self.config = other.config
+        self.runner = self._model_step()  # the forward over the new model side
         sched.kv = self.kv
         sched.config = replace(sched.config, max_num_seqs=other.config.max_num_seqs)
         self._pending_switch = None
@@ -493,11 +518,11 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
             if kind == "decode" and not warming and not any(c.draft for c in out.chunks):
                 n, total = stats.decode_by_batch.get(len(out.chunks), (0, 0.0))
                 stats.decode_by_batch[len(out.chunks)] = (n + 1, total + seconds)
-        finished = self.scheduler.update_from_output(out, sampled, self._stop_check)
-        self._account(out, sampled)
+        finished = self.scheduler.update_from_output(out, sampled, self.results.stop_check)
+        self.results.account(out, sampled)
         if self.drafter is not None:  # the next step's drafts, from the tokens known now
             self.drafter.propose(self.scheduler.running)
-        results = [self._finish(seq) for seq in finished]
+        results = [self.results.finish(seq) for seq in finished]
         if self.step_trace is not None and out.chunks:
             self.step_trace.append(step_record(out, time.perf_counter() - started))
         return results
@@ -505,4 +530,4 @@ class Engine(ModelStep, StepResults):  # the forward paths: forward.py; results:
     def _run_model(self, out: SchedulerOutput) -> dict[str, list[int]]:
         # this engine's KV pools in the model; engines sharing the model take turns per step
         with self.prepared.bound(self.kv_pools):
-            return self._forward_and_pick(out)
+            return self.runner.run(out)

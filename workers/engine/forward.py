@@ -1,30 +1,29 @@
 """The engine's model step: one forward over the scheduled batch, and the tokens it samples.
 
-Moved out of workers/engine/engine.py (issue 26: no product file over 500 lines) as a pure
-move: `Engine` inherits these methods from `ModelStep`, their bodies unchanged. The seam is
-between *what* a step runs and *how*: the engine's loop (engine.py) drains its inbox, lets the
-scheduler pick the chunks, applies the stop rules and turns finished sequences into results;
-`ModelStep` runs the chunks it is given, with the engine's KV pools already bound
-(`Engine._run_model`), on one of three paths:
+`ModelStep` is a member of the engine (`Engine.runner`), built over the engine's model side
+(model, KV manager, sampler, compiled graphs); a switch to another configuration builds a new
+one. The seam is between *what* a step runs and *how*: the engine's loop (engine.py) drains
+its inbox, lets the scheduler pick the chunks, applies the stop rules and turns finished
+sequences into results (`StepResults`); `ModelStep.run` runs the chunks it is given, with the
+engine's KV pools already bound (`Engine._run_model`), on one of three paths:
 
 * a CUDA graph replay (`_run_graph`), when every chunk decodes one token and a captured batch
   size fits (workers/engine/cuda_graphs.py; else it falls through);
 * the compiled decode graph (`_run_compiled`, `--compile-decode`, workers/engine/compiled.py),
   for decode-only steps of a batch size it covers, and for prefill and mixed steps of at most
   `compile_max_rows` tokens (every token a row of its own);
-* eagerly (`_forward_and_pick`): the chunks' tokens flattened into one batch with per-group
-  attention metadata (block tables from the KV manager), one forward, then the last hidden
-  row of each sampling chunk through the sampler (the screened int8 LM head when every
-  sequence is greedy: workers/engine/sampling.py). A step with rows to score (teacher
-  forcing, `GenerationRequest.score_from`: the cascade's deferral signal) always runs here,
-  the one path that keeps every row: `_score_rows` adds each scored token's log-probability
-  to its sequence.
+* eagerly: the chunks' tokens flattened into one batch with per-group attention metadata
+  (block tables from the KV manager), one forward, then the last hidden row of each sampling
+  chunk through the sampler (the screened int8 LM head when every sequence is greedy:
+  workers/engine/sampling.py). A step with rows to score (teacher forcing,
+  `GenerationRequest.score_from`: the cascade's deferral signal) always runs here, the one
+  path that keeps every row: `_score_rows` adds each scored token's log-probability to its
+  sequence.
 
 Each returns request id -> the tokens sampled after the chunk's sampled rows: one token, or
 with draft tokens to check (speculative decoding, workers/engine/speculative.py) the target's
 greedy token after its last known token and after each draft, all from one forward (the
-scheduler keeps the agreeing prefix). The attributes it reads are the engine's (declared below
-for the type checker); nothing here owns state.
+scheduler keeps the agreeing prefix). It counts its paths in the engine's `EngineStats`.
 """
 
 from __future__ import annotations
@@ -46,16 +45,25 @@ __all__ = ["ModelStep"]
 class ModelStep:
     """The forward paths of `workers.engine.engine.Engine` (module notes)."""
 
-    # the engine's, set in Engine.__init__
-    model: Transformer
-    kv: KVCacheManager
-    device: torch.device
-    sampler: TokenSampler
-    stats: EngineStats
-    compiled: CompiledDecode | None
-    graphs: CudaGraphDecode | None
+    def __init__(
+        self,
+        model: Transformer,
+        kv: KVCacheManager,
+        device: torch.device,
+        sampler: TokenSampler,
+        stats: EngineStats,
+        compiled: CompiledDecode | None,
+        graphs: CudaGraphDecode | None,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.sampler = sampler
+        self.stats = stats  # the engine's: it outlives a switch, this step does not
+        self.compiled = compiled
+        self.graphs = graphs
 
-    def _forward_and_pick(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def run(self, out: SchedulerOutput) -> dict[str, list[int]]:
         """The step's forward over the flattened batch and its sampled tokens (pools bound)."""
         if out.block_copies:  # partial prefix hits: their matched slots, before any write
             self.model.copy_kv_blocks(

@@ -5,10 +5,11 @@ tensors (`KVPools` of `prepare.py`: `k/v [num_blocks, block_size, kv_heads, head
 layer, bound into the model's layers for each forward); the model only ever sees block ids,
 through `block_table()` and `slot_mapping()`. The blocks themselves (refcounts, free list,
 evictable LRU, hash maps) live in `block_pool.py`, whose names this module re-exports. The
-manager's prefix-cache side (lookup, publishing, partial-block copies) is `PrefixCache` in
-`kv_prefix.py`, which `KVCacheManager` inherits; this module keeps the tables, allocation,
-freeing, the model's inputs and the accounting, and re-exports `KVGroupSpec` and `BlockCopy`
-(the manager's public types, defined there because both halves use them).
+manager's prefix-cache side (lookup, publishing, partial-block copies) is its member
+`kv.prefix`, a `PrefixCache` (`kv_prefix.py`) over the same groups and tables; this module
+keeps the tables, allocation, freeing, the model's inputs and the accounting, and re-exports
+`KVGroupSpec` and `BlockCopy` (the manager's public types, defined there because both sides
+use them).
 
 Design
 ------
@@ -62,7 +63,16 @@ from workers.engine.block_pool import (
     hash_block_tokens,
     prefix_keys,
 )
-from workers.engine.kv_prefix import BlockCopy, KVGroup, KVGroupSpec, PrefixCache, SeqBlocks, cdiv
+from workers.engine.kv_prefix import (
+    BlockCopy,
+    KVGroup,
+    KVGroupSpec,
+    PrefixCache,
+    SeqBlocks,
+    cdiv,
+    extend_hashes,
+    first_live_block,
+)
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -88,7 +98,7 @@ class _Plan:
     copy_src: KVBlock | None = None  # first allocation: the partially matched block
 
 
-class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
+class KVCacheManager:
     """Block tables of all running sequences over one pool per KV group."""
 
     def __init__(
@@ -112,12 +122,17 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
         self.enable_prefix_caching = enable_prefix_caching
         self.share_partial_blocks = share_partial_blocks
         self.stats = PrefixCacheStats()
-        # partial hits of this step: copies to run, and the sources held until they run
-        self._copies: list[BlockCopy] = []
-        self._copy_refs: list[tuple[BlockPool, KVBlock]] = []
         self._groups = [KVGroup(spec, BlockPool(spec.num_blocks, self.stats)) for spec in groups]
         self._by_name = {g.spec.name: g for g in self._groups}
         self._seqs: dict[str, SeqBlocks] = {}
+        self.prefix = PrefixCache(
+            self._groups,
+            self._seqs,
+            block_size=self.block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            share_partial_blocks=share_partial_blocks,
+            stats=self.stats,
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -153,7 +168,7 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
         plans: list[_Plan] = []
         for g in self._groups:
             table = seq.tables[g.spec.name]
-            live = min(self._first_live_block(g, num_computed), num_total_blocks)
+            live = min(first_live_block(g, num_computed, self.block_size), num_total_blocks)
             dropped = seq.num_dropped[g.spec.name]
             release = [b for b in table[dropped:live] if b.block_id != NULL_BLOCK_ID]
             num_null = max(0, live - len(table))
@@ -168,7 +183,9 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
             table = seq.tables[name]
             pool = plan.group.pool
             dropped = seq.num_dropped[name]
-            live = min(self._first_live_block(plan.group, num_computed), num_total_blocks)
+            live = min(
+                first_live_block(plan.group, num_computed, self.block_size), num_total_blocks
+            )
             if plan.release:
                 for i in range(dropped, min(live, len(table))):
                     table[i] = pool.null_block
@@ -195,7 +212,7 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
                 )
         num_total_blocks = cdiv(num_computed + num_new, bs)
         hashes: list[BlockHash] = []
-        self._extend_hashes(hashes, token_ids, num_hit)
+        extend_hashes(hashes, token_ids, num_hit, bs)
         partial_key = (
             prefix_keys(hashes[-1] if hashes else None, token_ids[num_hit * bs : num_computed])[-1]
             if num_partial
@@ -203,7 +220,7 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
         )
         plans: list[_Plan] = []
         for g in self._groups:
-            live = self._first_live_block(g, num_computed)
+            live = first_live_block(g, num_computed, self.block_size)
             touched = [g.pool.null_block] * live
             for h in hashes[live:]:
                 block = g.pool.get_cached_block(h)
@@ -236,13 +253,14 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
             pool.touch(b for b in plan.touched if b.block_id != NULL_BLOCK_ID)
             if plan.copy_src is not None:
                 pool.touch([plan.copy_src])
-                self._copy_refs.append((pool, plan.copy_src))
             name = plan.group.spec.name
             seq.tables[name] = plan.touched + pool.get_new_blocks(plan.num_alloc)
-            seq.num_dropped[name] = min(self._first_live_block(plan.group, num_computed), num_hit)
+            live = first_live_block(plan.group, num_computed, bs)
+            seq.num_dropped[name] = min(live, num_hit)
             if plan.copy_src is not None:
                 dst = seq.tables[name][num_hit].block_id
-                self._copies.append(BlockCopy(name, plan.copy_src.block_id, dst, num_partial))
+                copy = BlockCopy(name, plan.copy_src.block_id, dst, num_partial)
+                self.prefix.hold_copy(pool, plan.copy_src, copy)
         seq.num_computed = num_computed
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
@@ -260,7 +278,7 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
         if seq is None:
             return
         if token_ids is not None and self.enable_prefix_caching and self.share_partial_blocks:
-            self._offer_tail(seq, token_ids)
+            self.prefix.offer_tail(seq, token_ids)
         for g in self._groups:
             table = seq.tables[g.spec.name]
             g.pool.free_blocks(b for b in reversed(table) if b.block_id != NULL_BLOCK_ID)
@@ -307,6 +325,6 @@ class KVCacheManager(PrefixCache):  # the prefix cache's methods: kv_prefix.py
         out: dict[str, int] = {}
         for g in self._groups:
             held = len(seq.tables[g.spec.name])
-            live = min(self._first_live_block(g, seq.num_computed), num_total_blocks)
+            live = min(first_live_block(g, seq.num_computed, self.block_size), num_total_blocks)
             out[g.spec.name] = max(0, num_total_blocks - held) - max(0, live - held)
         return out

@@ -1,22 +1,22 @@
 """The KV cache manager's prefix cache: publishing written blocks, finding cached prefixes.
 
-Split out of workers/engine/kv_cache.py (issue 27: no product file over 400 lines), bodies
-unchanged: `KVCacheManager` inherits `PrefixCache`, which holds the side of the manager that
-deals in hashes (kv_cache.py's notes describe the design as a whole):
+`PrefixCache` is a member of `KVCacheManager` (`kv.prefix`), over the manager's groups and
+sequence tables (the same objects, shared: the manager allocates and frees, the prefix cache
+hashes and publishes; kv_cache.py's notes describe the design as a whole):
 
 * `find_cached_prefix`: a pure lookup of the longest cached prefix, whole blocks (every full
   group, and the live window of every sliding group) and then, with `share_partial_blocks`,
   the leading slots of one more block (`_partial_hit`);
 * `commit_computed`: blocks that became full and written are published under their chain
-  hash, and offer their leading slots for partial hits; `_offer_tail`: a freed sequence's last,
+  hash, and offer their leading slots for partial hits; `offer_tail`: a freed sequence's last,
   partly filled block offers its computed slots;
-* `take_block_copies`: the copies of the partial hits of the last allocations, for the engine
-  to run before the step's forward; `reset_prefix_cache`.
+* `hold_copy` / `take_block_copies`: the copies of the partial hits of the last allocations,
+  for the engine to run before the step's forward, their sources held until then; `reset`.
 
-It also holds what both halves share: the group spec and block copy (`KVGroupSpec`,
+It also holds what both sides share: the group spec and block copy (`KVGroupSpec`,
 `BlockCopy`, re-exported by kv_cache.py), a group with its pool (`KVGroup`), a sequence's
-tables (`SeqBlocks`), and the window rule (`_first_live_block`). The attributes it reads are
-the manager's, set in `KVCacheManager.__init__` (declared below for the type checker).
+tables (`SeqBlocks`), the window rule (`first_live_block`) and the hash chain
+(`extend_hashes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,16 @@ from workers.engine.block_pool import (
     prefix_keys,
 )
 
-__all__ = ["BlockCopy", "KVGroup", "KVGroupSpec", "PrefixCache", "SeqBlocks", "cdiv"]
+__all__ = [
+    "BlockCopy",
+    "KVGroup",
+    "KVGroupSpec",
+    "PrefixCache",
+    "SeqBlocks",
+    "cdiv",
+    "extend_hashes",
+    "first_live_block",
+]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -79,34 +88,50 @@ class SeqBlocks:
     num_computed: int = 0  # highest num_computed seen (allocate_slots / commit_computed)
 
 
+def first_live_block(group: KVGroup, num_computed: int, block_size: int) -> int:
+    """Index of the first block still needed to compute position `num_computed`."""
+    window = group.spec.sliding_window
+    if window is None:
+        return 0
+    return max(0, num_computed - window + 1) // block_size
+
+
+def extend_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int, block_size: int
+) -> None:
+    """Chain-hash the blocks of `token_ids` after the `hashes` known, up to `num_blocks`."""
+    bs = block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_blocks):
+        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+        hashes.append(parent)
+
+
 class PrefixCache:
     """The hashing side of `workers.engine.kv_cache.KVCacheManager` (module notes)."""
 
-    # the manager's, set in KVCacheManager.__init__
-    block_size: int
-    enable_prefix_caching: bool
-    share_partial_blocks: bool
-    stats: PrefixCacheStats
-    _copies: list[BlockCopy]
-    _copy_refs: list[tuple[BlockPool, KVBlock]]
-    _groups: list[KVGroup]
-    _seqs: dict[str, SeqBlocks]
+    def __init__(
+        self,
+        groups: list[KVGroup],
+        seqs: dict[str, SeqBlocks],
+        *,
+        block_size: int,
+        enable_prefix_caching: bool,
+        share_partial_blocks: bool,
+        stats: PrefixCacheStats,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.share_partial_blocks = share_partial_blocks
+        self.stats = stats
+        self._groups = groups  # the manager's: the same list
+        self._seqs = seqs  # the manager's: the same dict
+        # partial hits of this step: copies to run, and the sources held until they run
+        self._copies: list[BlockCopy] = []
+        self._copy_refs: list[tuple[BlockPool, KVBlock]] = []
 
     def _first_live_block(self, group: KVGroup, num_computed: int) -> int:
-        """Index of the first block still needed to compute position `num_computed`."""
-        window = group.spec.sliding_window
-        if window is None:
-            return 0
-        return max(0, num_computed - window + 1) // self.block_size
-
-    def _extend_hashes(
-        self, hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int
-    ) -> None:
-        bs = self.block_size
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        return first_live_block(group, num_computed, self.block_size)
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Longest cached prefix in tokens (at most len - 1): whole blocks, then, with
@@ -171,7 +196,7 @@ class PrefixCache:
         for g in self._groups:
             if num_full > len(seq.tables[g.spec.name]):
                 raise ValueError(f"num_computed={num_computed} beyond the allocated blocks")
-        self._extend_hashes(seq.hashes, token_ids, num_full)
+        extend_hashes(seq.hashes, token_ids, num_full, self.block_size)
         bs = self.block_size
         for i in range(seq.num_published, num_full):
             keys: list[BlockHash] | None = None  # the block's leading slots, for partial hits
@@ -188,11 +213,12 @@ class PrefixCache:
                 g.pool.offer_prefixes(block, keys)
         seq.num_published = num_full
 
-    def _offer_tail(self, seq: SeqBlocks, token_ids: Sequence[int]) -> None:
+    def offer_tail(self, seq: SeqBlocks, token_ids: Sequence[int]) -> None:
+        """A freed sequence's last, partly filled block offers its computed slots."""
         i, r = divmod(min(seq.num_computed, len(token_ids)), self.block_size)
         if r == 0:
             return
-        self._extend_hashes(seq.hashes, token_ids, i)
+        extend_hashes(seq.hashes, token_ids, i, self.block_size)
         keys: list[BlockHash] | None = None
         for g in self._groups:
             table = seq.tables[g.spec.name]
@@ -204,6 +230,12 @@ class PrefixCache:
                 keys = prefix_keys(parent, token_ids[start : start + r])
             g.pool.offer_prefixes(table[i], keys)
 
+    def hold_copy(self, pool: BlockPool, src: KVBlock, copy: BlockCopy) -> None:
+        """A first allocation's partial hit: `copy` runs before the next forward; its source
+        block (touched by the caller) is held until then."""
+        self._copy_refs.append((pool, src))
+        self._copies.append(copy)
+
     def take_block_copies(self) -> list[BlockCopy]:
         """The partial-hit copies of the allocations since the last call, in order; their
         sources are released, so run the copies before the next allocation."""
@@ -213,7 +245,7 @@ class PrefixCache:
         self._copy_refs = []
         return copies
 
-    def reset_prefix_cache(self) -> None:
+    def reset(self) -> None:
         """Forget all published prefixes (e.g. after weights change). Running sequences keep
         their blocks; they are simply no longer shareable."""
         for g in self._groups:

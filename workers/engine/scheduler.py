@@ -247,7 +247,7 @@ class Scheduler:
                 budget -= n
 
         num_tokens = sum(c.num_tokens for c in chunks)
-        copies = self.kv.take_block_copies()
+        copies = self.kv.prefix.take_block_copies()
         return SchedulerOutput(chunks, num_tokens, finished, preempted, copies)
 
     def update_from_output(
@@ -265,7 +265,7 @@ class Scheduler:
             seq = chunk.seq
             if not chunk.samples:  # a prefill chunk that is not the last: nothing sampled yet
                 seq.num_computed = chunk.start + chunk.num_tokens
-                self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
+                self.kv.prefix.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
                 continue
             if seq.first_token_at is None:
                 seq.first_token_at = now
@@ -288,7 +288,7 @@ class Scheduler:
             seq.num_accepted += chunk.num_accepted
             seq.draft_ids = []  # checked: the proposer drafts again from the new tokens
             seq.num_computed = last_known - 1 + verified
-            self.kv.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
+            self.kv.prefix.commit_computed(seq.request_id, seq.token_ids, seq.num_computed)
             if reason is not None:
                 seq.finish_reason = reason
                 finished.append(seq)
@@ -355,8 +355,8 @@ class Scheduler:
         whose log-probability must be computed (`score_from`)."""
         rows = seq.scored_rows
         if rows:
-            return self.kv.find_cached_prefix(seq.token_ids[: rows.start + 1])
-        return self.kv.find_cached_prefix(seq.token_ids)
+            return self.kv.prefix.find_cached_prefix(seq.token_ids[: rows.start + 1])
+        return self.kv.prefix.find_cached_prefix(seq.token_ids)
 
     def _unpop(self, seq: SequenceState) -> None:
         # Not enough KV blocks for a newcomer: it waits at the front.

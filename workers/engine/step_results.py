@@ -1,34 +1,32 @@
 """What an engine step's sampled tokens become: stop decisions, counters, finished results.
 
-Moved out of workers/engine/engine.py (issue 27: no product file over 400 lines) as a pure
-move: `Engine` inherits these methods from `StepResults`, their bodies unchanged. The seam is
-after the forward: `Engine.step` runs the model (`ModelStep`, workers/engine/forward.py) and
-hands the sampled tokens to the scheduler with `_stop_check` as the stop rule, then
+`StepResults` is a member of the engine (`Engine.results`), over the parts that outlive a
+switch of configuration: the tokenizer and prompt rules, the statistics, the scheduler and the
+request handles. The seam is after the forward: `Engine.step` runs the model (`ModelStep`,
+workers/engine/forward.py) and hands the sampled tokens to the scheduler with `stop_check` as
+the stop rule, then
 
-* `_stop_check`: EOS (unless `ignore_eos`), the `max_new_tokens` length, a newline for
+* `stop_check`: EOS (unless `ignore_eos`), the `max_new_tokens` length, a newline for
   one-line prompts, a stop string in the decoded tail; returns (finish reason or None,
   whether the token is kept);
-* `_account`: the step's counters in `EngineStats` (preemptions, prefill and decode tokens,
+* `account`: the step's counters in `EngineStats` (preemptions, prefill and decode tokens,
   batch sizes);
-* `_finish`: a finished sequence as a `GenerationResult` (decoded text cut at the stop rules,
-  timings), resolving its `RequestHandle`;
-* `_fail_all`: after a step raised, every live request (running, preempted, queued) finishes
+* `finish`: a finished sequence as a `GenerationResult` (decoded text cut at the stop rules,
+  timings), resolving its `RequestHandle`; `on_finish(request_id)` tells the engine first (its
+  sampler drops the request's generator);
+* `fail_all`: after a step raised, every live request (running, preempted, queued) finishes
   ERROR with the error and the scheduler starts empty;
 * `step_record`: one line of `Engine.step_trace` (kind, sequences, tokens, seconds).
-
-The attributes read are the engine's (declared below for the type checker); nothing here owns
-state.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from workers.engine.engine_config import EngineStats
-from workers.engine.kv_cache import KVCacheManager
 from workers.engine.prompts import PromptBuilder
-from workers.engine.sampling import TokenSampler
 from workers.engine.scheduler import Scheduler, SchedulerOutput, SequenceState
 from workers.engine.types import (
     FinishReason,
@@ -44,16 +42,23 @@ __all__ = ["StepResults", "step_kind", "step_record"]
 class StepResults:
     """The result side of `workers.engine.engine.Engine`'s step (module notes)."""
 
-    # the engine's, set in Engine.__init__
-    tokenizer: Any  # a transformers tokenizer
-    prompts: PromptBuilder
-    stats: EngineStats
-    sampler: TokenSampler
-    scheduler: Scheduler
-    kv: KVCacheManager
-    _handles: dict[str, RequestHandle]
+    def __init__(
+        self,
+        tokenizer: Any,  # a transformers tokenizer
+        prompts: PromptBuilder,
+        stats: EngineStats,
+        scheduler: Scheduler,
+        handles: dict[str, RequestHandle],  # the engine's: submitted, not finished
+        on_finish: Callable[[str], None],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.stats = stats
+        self.scheduler = scheduler
+        self.handles = handles
+        self.on_finish = on_finish
 
-    def _stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
+    def stop_check(self, seq: SequenceState, token: int) -> tuple[FinishReason | None, bool]:
         p = seq.request.params
         if not p.ignore_eos and token in self.prompts.stop_rules.eos_ids:
             return FinishReason.STOP, False
@@ -67,7 +72,7 @@ class StepResults:
                 return FinishReason.STOP, True
         return None, True
 
-    def _account(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+    def account(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         s = self.stats
         s.preemptions += len(out.preempted)
         decode = sum(c.num_tokens for c in out.chunks if c.start >= c.seq.num_prompt_tokens)
@@ -83,7 +88,7 @@ class StepResults:
         if len(s.batch_sizes) > 1024:
             del s.batch_sizes[:512]
 
-    def _finish(self, seq: SequenceState) -> GenerationResult:
+    def finish(self, seq: SequenceState) -> GenerationResult:
         now = time.monotonic()
         req = seq.request
         reason = seq.finish_reason or FinishReason.ERROR
@@ -115,8 +120,8 @@ class StepResults:
             scored_tokens=scored,
         )
         self.stats.finished += 1
-        self.sampler.forget(req.request_id)
-        handle = self._handles.pop(req.request_id, None)
+        self.on_finish(req.request_id)
+        handle = self.handles.pop(req.request_id, None)
         if handle is not None:
             handle.set_result(result)  # runs its callbacks: the fair engine's observe among them
         # an admission hook remembers what it admitted until observed; a request submitted to
@@ -127,7 +132,7 @@ class StepResults:
             forget(req.request_id)
         return result
 
-    def _fail_all(self, error: str) -> None:
+    def fail_all(self, error: str) -> None:
         """After a failed step: fail every live request, reset the scheduler's state."""
         sched = self.scheduler
         seqs = [*sched.running, *sched.preempted]
@@ -135,13 +140,13 @@ class StepResults:
             r = sched.queue.pop()
             seqs.append(SequenceState(r, list(r.prompt_ids), len(r.prompt_ids)))
         for seq in sched.running:
-            self.kv.free(seq.request_id)
+            sched.kv.free(seq.request_id)  # the scheduler's: the one in use since any switch
         sched.running.clear()
         sched.preempted.clear()
         for seq in seqs:
             seq.finish_reason = FinishReason.ERROR
             seq.error = error
-            self._finish(seq)
+            self.finish(seq)
 
 
 def step_kind(out: SchedulerOutput) -> str:

@@ -19,8 +19,16 @@ compiled decode) by short decode runs. Two things it cannot do alone (issue #47)
   checks in a row: it probes again (at most once per `min_reprobe_s`) and moves if the new
   ranking says so. A probe that itself ran on a busy host is repeated after `busy_retry_s`.
   Served figures include the longer contexts of real prompts, so a configuration is served a
-  little below its probe figure; the margins are wider than that gap (measured:
-  docs/BENCHMARKS.md). A worker serving a cascade (`--cascade`) turns this check off
+  little below its probe figure; the margins are wider than that gap for Gemma 3 270M
+  (measured: docs/BENCHMARKS.md) but not for a 1.5B model on few-shot prompts of ~350 tokens,
+  where attention is no longer negligible: it served at 0.82x its probe figure, and re-probed
+  in the middle of a measurement to keep what it had. So a re-probe for slowness that **keeps**
+  the configuration teaches the tuner the workload's gap: the served-over-probe ratio of the
+  window that asked for it, against the fresh figures, becomes the configuration's `normal`,
+  and later checks compare the served speed with `normal` x the figures (every candidate's:
+  the gap is the workload's, not one configuration's). A probe taken on a busy host teaches
+  nothing. The steps served while a probe ran (it shares the cores) are not counted either.
+  A worker serving a cascade (`--cascade`) turns this check off
   (`TunerSettings.watch_served`): the large model's runs take the cores from the small one's
   steps, which read as 0.76x its probe figure and started a re-probe in the first served run.
 
@@ -149,6 +157,10 @@ class ConfigTuner:
         self._retry_at = clock() + self.settings.busy_retry_s if choice.pending_probe else None
         self._seen: dict[int, tuple[int, float]] = dict(engine.stats.decode_by_batch)
         self._served: float | None = None
+        # served over probe figure that this workload shows at its best (see the docstring):
+        # learnt from a re-probe for slowness that kept the configuration
+        self.normal = 1.0
+        self._slow_window: DecodeTally | None = None  # the window that asked for a re-probe
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.busy = False  # probing or building now (torch work on this thread)
@@ -195,8 +207,13 @@ class ConfigTuner:
         self._publish(probing=False)
         if not s.watch_served:
             return None  # shown (`_publish`), never acted on
+        if ratio is not None:
+            ratio /= self.normal
         others = {
-            c: served_ratio(f, window) for c, f in self.choice.figures.items() if c != current
+            c: None if r is None else r / self.normal
+            for c, f in self.choice.figures.items()
+            if c != current
+            for r in (served_ratio(f, window),)
         }
         beaten_by = min(
             ((r, c) for c, r in others.items() if r is not None),
@@ -215,12 +232,14 @@ class ConfigTuner:
         if self._slow_checks < s.sustained_checks or now - self._last_reprobe < s.min_reprobe_s:
             return None
         self._slow_checks = 0
+        normal = "" if self.normal == 1.0 else f" (over its normal {self.normal:.2f}x here)"
         if slow:
-            return f"{current.label} served at {ratio:.2f}x its own probe figure"
+            self._slow_window = window
+            return f"{current.label} served at {ratio:.2f}x its own probe figure{normal}"
         assert beaten_by is not None
         return (
             f"{current.label} served at {beaten_by[0]:.2f}x the speed the probe measured "
-            f"for {beaten_by[1].label}"
+            f"for {beaten_by[1].label}{normal}"
         )
 
     def reprobe(self, why: str) -> None:
@@ -248,12 +267,34 @@ class ConfigTuner:
             self._publish(probing=False)
             return
         self._retry_at = self.clock() + self.settings.busy_retry_s if choice.pending_probe else None
+        slow_window, self._slow_window = self._slow_window, None
         if choice.candidate != self.choice.candidate:
             self._switch(choice, why)
         else:
             self.choice = choice  # the same configuration, fresh figures
             log.info("config tuner: keeping %s (%s)", choice.candidate.label, choice.reason)
+            if slow_window is not None and not choice.pending_probe:
+                self._learn_normal(choice, slow_window)
+        # the steps served while the probe shared the cores say nothing of the configuration
+        self._seen = dict(self.engine.stats.decode_by_batch)
+        self._slow_checks = 0
         self._publish(probing=False)
+
+    def _learn_normal(self, choice: Choice, window: DecodeTally) -> None:
+        """The fresh probe kept the configuration that served slowly: the gap is the
+        workload's (longer contexts than the probe's), not a wrong choice. Its size against
+        the fresh figures is what later checks take as served-as-probed."""
+        ratio = served_ratio(choice.figures.get(choice.candidate) or choice.tok_s_by_batch, window)
+        if ratio is None:
+            return
+        self.normal = min(1.0, ratio)
+        log.warning(
+            "config tuner: %s serves at %.2fx its probe figure on this workload and the probe "
+            "keeps it: later checks take %.2fx as its normal",
+            choice.candidate.label,
+            ratio,
+            self.normal,
+        )
 
     def _switch(self, choice: Choice, why: str) -> None:
         old, new = self.choice.candidate, choice.candidate
@@ -286,4 +327,5 @@ class ConfigTuner:
             switches=self.switches,
             last_switch=self.last_switch,
             served_vs_probe=None if self._served is None else round(self._served, 3),
+            served_normal=round(self.normal, 3),
         )

@@ -1,6 +1,6 @@
 """Bounded retries of engine runs that failed: `EngineRetries`.
 
-When a step of the real engine raises, `Engine._fail_all` finishes *every* request in the
+When a step of the real engine raises, `Engine.results.fail_all` finishes *every* request in the
 engine with ERROR and the exception's text, the one that caused it (a "poison" request) and
 every bystander alike. So the worker does not answer an engine ERROR at once: it submits the
 request again, up to `Settings.max_attempts` runs in all; a request whose last run fails too is

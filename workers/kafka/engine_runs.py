@@ -10,14 +10,14 @@ The in-flight requests themselves are kept by `RecordLife` (`entered_engine`, `j
   request the engine refuses at once yields an `AnswerNow` per waiting record (REJECTED for an
   unsupported language, else ERROR).
 * `drain_done()` takes the results off that queue and yields an `Answer`, unless:
-  - the run failed (ERROR with the engine's error text: `Engine._fail_all` fails every request
-    in the engine when a step raises). It is submitted again, up to `Settings.max_attempts`
-    runs, the last one isolated (`workers.kafka.engine_retries`); a request whose last run fails too
-    yields
-    a `DeadLetter(reason="poison", reply_error=True)` per record (dead letter, then an ERROR
-    reply with the same text). Each new run counts in `tolk_engine_retries_total{lang}`; the
-    intake slot is kept meanwhile, and the partition's other records go on (its commit point
-    waits only for the poison record's dead letter and reply).
+  - the run failed (ERROR with the engine's error text: `Engine.results.fail_all` fails every
+    request in the engine when a step raises). It is submitted again, up to
+    `Settings.max_attempts` runs, the last one isolated (`workers.kafka.engine_retries`); a
+    request whose last run fails too yields a `DeadLetter(reason="poison", reply_error=True)`
+    per record (dead letter, then an ERROR reply with the same text). Each new run counts in
+    `tolk_engine_retries_total{lang}`; the intake slot is kept meanwhile, and the partition's
+    other records go on (its commit point waits only for the poison record's dead letter and
+    reply).
   - the record's partition was revoked while it ran (`RecordLife.owned_records`): a record of
     a partition now owned by someone else and not committed is dropped (that owner reads and
     answers it), one of a partition assigned back here or already committed is answered.
@@ -102,7 +102,7 @@ class EngineRuns:
                     target_lang=str(req["target_lang"]),
                     deadline=deadline,
                     max_new_tokens=policy.max_new_tokens if policy else None,
-                    # every stage passes it on; the context stage uses it (context_engine.py)
+                    # every stage passes it on; the context stage uses it (workers/stages/context/)
                     conversation_id=req.get("conversation_id") or None,
                 )
             )

@@ -10,12 +10,14 @@ runs it had (`attempts`): a failed run (ERROR) is retried up to `Settings.max_at
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine.types import RequestHandle
+from workers.engine.types import GenerationResult, RequestHandle
+from workers.tracing import RequestTrace
 
-__all__ = ["ConsumedRecord", "InFlight"]
+__all__ = ["ConsumedRecord", "InFlight", "request_trace"]
 
 
 @dataclass(slots=True)
@@ -50,3 +52,27 @@ class InFlight:
     submitted_ms: int  # wall clock when handed to the engine
     submitted_ns: int = 0  # the same instant in epoch ns (the consume-to-schedule lag)
     attempts: int = 1  # engine runs so far (a failed run is retried: workers.kafka.engine_retries)
+
+
+def request_trace(
+    rec: ConsumedRecord, engine: tuple[InFlight, GenerationResult] | None, status: str
+) -> RequestTrace:
+    """The timestamps of `rec`'s way through the worker, for its spans (workers/tracing.py)."""
+    now_ns = time.time_ns()
+    req = RequestTrace(
+        parent=rec.trace_parent,
+        lang=rec.lang,
+        request_id=rec.request_id,
+        broker_ns=rec.broker_ts_ms * 1_000_000,
+        taken_ns=rec.taken_ns or now_ns,
+        produced_ns=now_ns,
+        status=status,
+    )
+    if engine is not None:
+        inflight, result = engine
+        req.submitted_ns = inflight.submitted_ms * 1_000_000
+        req.queue_s = result.timings.queue_s
+        req.prefill_s = result.timings.prefill_s
+        req.decode_s = result.timings.decode_s
+        req.completed_ns = now_ns
+    return req

@@ -53,14 +53,14 @@ from topics.catalog import DEAD_LETTERS
 from workers.engine.types import FinishReason, GenerationResult
 from workers.fairness.policy import LanguagePolicy
 from workers.kafka.config import ReplyTopicChecker
-from workers.kafka.records import ConsumedRecord, InFlight
+from workers.kafka.records import ConsumedRecord, InFlight, request_trace
 from workers.kafka.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
 from workers.kafka.reply_retry import Deliveries, Outgoing
 from workers.metrics import WorkerMetrics
 from workers.settings import Settings
 from workers.store.results import ResultStore, ResultStoreError
 from workers.store.unstored import UnstoredResults
-from workers.tracing import RequestTracer, request_trace
+from workers.tracing import RequestTracer
 
 __all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyConfig", "ReplyPublisher"]
 

@@ -9,7 +9,7 @@ librdkafka already retries a produce inside the producer until `message.timeout.
 (`Settings.delivery_timeout_ms`, 30 s); a delivery report with an error means that time is
 spent. What happens then:
 
-* A reply that failed for good (`workers.kafka.config.PERMANENT_PRODUCE_CODES`: the reply
+* A reply that failed for good (`topics.cluster.PERMANENT_PRODUCE_CODES`: the reply
   topic is missing or not ours to write, the record is too large, the request is invalid)
   becomes a dead letter at once (a missing topic also drops it from the `ReplyTopicChecker`
   cache).
@@ -41,7 +41,7 @@ iteration. The pieces:
 * `Outgoing`: one record the publisher has to get delivered (a reply or a dead letter), with
   its failed attempts so far and, for a poison request, the answer sent once it is delivered;
 * `error_code()`, the KafkaError code inside a raised `KafkaException` (the codes no retry
-  can fix are `workers.kafka.config.PERMANENT_PRODUCE_CODES`, shared with the client);
+  can fix are `topics.cluster.PERMANENT_PRODUCE_CODES`, shared with the client);
 * `retry_delay_s()`: the wait before producing again, 0.5 s doubling up to 30 s;
 * `slim_down()`: a dead letter the topic refused as too large, rebuilt without the original
   bytes;
@@ -65,7 +65,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException
 
-from workers.kafka.config import MISSING_TOPIC_CODES, PERMANENT_PRODUCE_CODES, TOO_LARGE_CODES
+from topics.cluster import MISSING_TOPIC_CODES, PERMANENT_PRODUCE_CODES, TOO_LARGE_CODES
 from workers.kafka.records import ConsumedRecord
 from workers.kafka.replies import dead_letter_value
 from workers.metrics import WorkerMetrics

@@ -213,7 +213,7 @@ def test_retrievals_are_counted_in_prometheus_once_bound(tm_dir: Path) -> None:
 
     from workers.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(CollectorRegistry())
+    metrics = WorkerMetrics(CollectorRegistry()).stages
     engine = RetrievedExamplesEngine(PromptEngine(), retriever(tm_dir, k=2))
     engine.bind_metrics(metrics)
     submit(engine, "Where is my order?")

@@ -65,6 +65,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from workers.context_layouts import DEFAULT_LAYOUT, LAYOUTS
+
 __all__ = [
     "DEFAULT_LAYOUT",
     "LAYOUTS",
@@ -79,8 +81,6 @@ __all__ = [
 DEFAULT_BUDGET_TOKENS = 256
 DEFAULT_IDLE_S = 600.0
 DEFAULT_MAX_CONVERSATIONS = 10_000
-LAYOUTS = ("direction", "dialogue")  # module notes, "History layout"
-DEFAULT_LAYOUT = "direction"
 
 
 class TurnRenderer(Protocol):

@@ -58,7 +58,7 @@ from importlib import resources
 
 from wordfreq import zipf_frequency
 
-from workers.stages.protected.rules import find_spans
+from workers.text.spans import find_spans
 
 __all__ = [
     "COMMON_ZIPF",

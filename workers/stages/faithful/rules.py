@@ -30,7 +30,7 @@ a cap stops them. Each has a detector here, and `check` runs them all:
 - `dropped_spans` (issue #28, `workers/stages/faithful/spans.py`): placeholders, links, e-mail
   addresses and ids of the source missing from the translation ("Hi #NAME#, thanks for
   contacting #PRS_ORG#." -> "Hallo, #NAME#, ich freue mich auf dich!").
-- `language_problem` (issue #28, `workers/stages/faithful/language.py`): the translation is
+- `language_problem` (issue #28, `workers/text/language.py`): the translation is
   confidently in the source language ("untranslated") or a third one ("wrong_language"), by
   lingua among the pair's and a few common languages; short texts are never called. Only when
   the caller gives the source language.
@@ -62,10 +62,10 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from workers.stages.faithful.language import language_problem
 from workers.stages.faithful.names import dropped_names
 from workers.stages.faithful.numbers import invented_numbers
 from workers.stages.faithful.spans import dropped_spans
+from workers.text.language import language_problem
 
 __all__ = [
     "COVERAGE",

@@ -6,7 +6,7 @@ anonymisation placeholders of the logs and the templates of a bot (`#NAME#`, `#P
 `{{first_name}}`, `%s`), links, e-mail addresses and order or ticket ids. A small model drops
 them or rewrites the rest around them ("Hi #NAME#, thanks for contacting #PRS_ORG#." -> "Hallo,
 #NAME#, ich freue mich auf dich!", issue #28). `dropped_spans(source, translation)` returns the
-spans of the source (`workers.stages.protected.rules.find_spans`, the same patterns the
+spans of the source (`workers.text.spans.find_spans`, the same patterns the
 protected-spans stage masks) of those kinds that the translation does not hold:
 
 - placeholders and ids must come back exactly (a `{{ name }}` may lose or gain inner spaces);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from workers.stages.protected.rules import find_spans
+from workers.text.spans import find_spans
 
 __all__ = ["KEPT_KINDS", "dropped_spans"]
 

@@ -1,7 +1,7 @@
 """`ProtectedSpansEngine`: a `TranslationEngine` that masks protected spans before translation
 and restores them in the result (the "protected spans" arm option of docs/REPLAY.md).
 
-Flow of one request whose text has spans (`workers.stages.protected.rules.find_spans`):
+Flow of one request whose text has spans (`workers.text.spans.find_spans`):
 
 1. The masked text (`Order <x1> arrives at <x2>`) goes to the inner engine under the request's
    own id.
@@ -47,7 +47,9 @@ from workers.engine.types import (
     TranslationEngine,
     TranslationRequest,
 )
-from workers.stages.protected.rules import (
+from workers.stages.retry import RetryJob
+from workers.stages.wrapper import EngineWrapper, merged_runs
+from workers.text.spans import (
     MaskConflict,
     MaskStyle,
     RestoreError,
@@ -57,8 +59,6 @@ from workers.stages.protected.rules import (
     restore,
     style_for_model,
 )
-from workers.stages.retry import RetryJob
-from workers.stages.wrapper import EngineWrapper, merged_runs
 
 __all__ = [
     "NOTE_KEY",
