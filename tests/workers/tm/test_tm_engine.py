@@ -213,12 +213,12 @@ def test_retrievals_are_counted_in_prometheus_once_bound(tm_dir: Path) -> None:
 
     from workers.metrics import WorkerMetrics
 
-    metrics = WorkerMetrics(CollectorRegistry()).stages
+    worker_metrics = WorkerMetrics(CollectorRegistry())
     engine = RetrievedExamplesEngine(PromptEngine(), retriever(tm_dir, k=2))
-    engine.bind_metrics(metrics)
+    engine.bind_metrics(worker_metrics.stages)  # as the worker binds its stages
     submit(engine, "Where is my order?")
     submit(engine, "Hallo", src="de", tgt="en")
-    sample = metrics.registry.get_sample_value
+    sample = worker_metrics.registry.get_sample_value
     assert sample("tolk_tm_retrievals_total", {"lang": "de", "outcome": "retrieved"}) == 1
     assert sample("tolk_tm_retrievals_total", {"lang": "en", "outcome": "no_index"}) == 1
     assert sample("tolk_tm_retrieval_seconds_count") == 1  # only a real look-up is timed
