@@ -205,6 +205,22 @@ def test_a_busy_probe_or_a_switch_teaches_no_gap() -> None:
     assert tuner.normal == 1.0
 
 
+def test_a_gap_wider_than_half_is_not_learnt_whole() -> None:
+    """A kept configuration served at 0.3x its figure is no workload's normal: the tuner takes
+    at most MIN_NORMAL (0.5), so a later collapse still asks for a probe."""
+    from workers.engine.tuner import MIN_NORMAL
+
+    engine, clock = FakeEngine(), Clock()
+    tuner, _ = make_tuner(engine, choice(F32, FIGURES), choice(F32, FIGURES), clock)
+    for _ in range(2):
+        engine.serve(1, 50, 50 / 50.0 / 0.3)
+        clock.now += 30
+        why = tuner.check()
+    assert why is not None
+    tuner.reprobe(why)
+    assert tuner.normal == MIN_NORMAL == 0.5
+
+
 def test_another_candidate_beating_the_served_speed_probes_again() -> None:
     # the in-use figure is close to served, but int8's figure beats what is served by > 10 %
     figures = {F32: {1: 50.0, 8: 200.0}, I8: {1: 80.0, 8: 320.0}}

@@ -24,10 +24,11 @@ compiled decode) by short decode runs. Two things it cannot do alone (issue #47)
   where attention is no longer negligible: it served at 0.82x its probe figure, and re-probed
   in the middle of a measurement to keep what it had. So a re-probe for slowness that **keeps**
   the configuration teaches the tuner the workload's gap: the served-over-probe ratio of the
-  window that asked for it, against the fresh figures, becomes the configuration's `normal`,
-  and later checks compare the served speed with `normal` x the figures (every candidate's:
-  the gap is the workload's, not one configuration's). A probe taken on a busy host teaches
-  nothing. The steps served while a probe ran (it shares the cores) are not counted either.
+  window that asked for it, against the fresh figures, becomes the configuration's `normal`
+  (at least `MIN_NORMAL`), and later checks compare the served speed with `normal` x the
+  figures (every candidate's: the gap is the workload's, not one configuration's). A probe
+  taken on a busy host teaches nothing. The steps served while a probe ran (it shares the
+  cores) are not counted either.
   A worker serving a cascade (`--cascade`) turns this check off
   (`TunerSettings.watch_served`): the large model's runs take the cores from the small one's
   steps, which read as 0.76x its probe figure and started a re-probe in the first served run.
@@ -66,6 +67,7 @@ __all__ = ["ConfigTuner", "TunerSettings", "expected_tok_s", "served_ratio"]
 log = logging.getLogger(__name__)
 
 DecodeTally = Mapping[int, tuple[int, float]]  # batch size -> (decode steps, seconds)
+MIN_NORMAL = 0.5  # the lowest served-over-probe ratio the tuner learns as a workload's normal
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +289,9 @@ class ConfigTuner:
         ratio = served_ratio(choice.figures.get(choice.candidate) or choice.tok_s_by_batch, window)
         if ratio is None:
             return
-        self.normal = min(1.0, ratio)
+        # at most as probed; at least MIN_NORMAL: a gap wider than that, kept by the probe, is
+        # no workload's length but something to look at, and must not blind later checks
+        self.normal = min(1.0, max(MIN_NORMAL, ratio))
         log.warning(
             "config tuner: %s serves at %.2fx its probe figure on this workload and the probe "
             "keeps it: later checks take %.2fx as its normal",
