@@ -130,9 +130,6 @@ class PrefixCache:
         self._copies: list[BlockCopy] = []
         self._copy_refs: list[tuple[BlockPool, KVBlock]] = []
 
-    def _first_live_block(self, group: KVGroup, num_computed: int) -> int:
-        return first_live_block(group, num_computed, self.block_size)
-
     def find_cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Longest cached prefix in tokens (at most len - 1): whole blocks, then, with
         `share_partial_blocks`, the leading slots of one more block.
@@ -162,7 +159,7 @@ class PrefixCache:
             for i, h in enumerate(hashes):
                 run = run + 1 if g.pool.get_cached_block(h) is not None else 0
                 k = i + 1
-                if run < k - self._first_live_block(g, k * bs):
+                if run < k - first_live_block(g, k * bs, bs):
                     valid[k] = False
         k = next((k for k in range(len(hashes), 0, -1) if valid[k]), 0)
         return k * bs + self._partial_hit(token_ids, hashes[k - 1] if k else None, k)

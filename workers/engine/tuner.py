@@ -211,12 +211,11 @@ class ConfigTuner:
             return None  # shown (`_publish`), never acted on
         if ratio is not None:
             ratio /= self.normal
-        others = {
-            c: None if r is None else r / self.normal
-            for c, f in self.choice.figures.items()
-            if c != current
-            for r in (served_ratio(f, window),)
-        }
+        others: dict[Any, float | None] = {}
+        for c, f in self.choice.figures.items():
+            if c != current:
+                r = served_ratio(f, window)
+                others[c] = None if r is None else r / self.normal
         beaten_by = min(
             ((r, c) for c, r in others.items() if r is not None),
             key=lambda rc: rc[0],
@@ -315,9 +314,7 @@ class ConfigTuner:
         trim_heap()
         self.switches += 1
         self.last_switch = f"{old.label} -> {new.label}: {why}"
-        self.choice = choice
-        self._seen = dict(self.engine.stats.decode_by_batch)
-        self._slow_checks = 0
+        self.choice = choice  # (the served steps are counted afresh by `_reprobe`)
         log.warning("config tuner: switched %s (now: %s)", self.last_switch, choice.reason)
         if self.on_switch is not None:
             self.on_switch(old.label, new.label, why)
