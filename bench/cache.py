@@ -312,13 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = {k: v for k, v in settings.policies.items() if k in langs}
         engine = build_fair_engine(EngineConfig(model=args.engine, warm_languages=langs), policies)
     caps = [p.max_new_tokens for k, p in settings.policies.items() if k in langs]
-    options = ServingOptions(
+    options = ServingOptions.of(
+        settings,
         faithful=args.engine != "fake",
         max_new_tokens=max(caps, default=256),  # as tolk worker sets the guard's default
         cache=True,
         cache_variant=f"bench={run}",
     )
-    served = build_served_engine(engine, settings, options)
+    served = build_served_engine(engine, options)
     registry = CollectorRegistry()
     worker = Worker(settings, served, registry=registry)
     stop = threading.Event()

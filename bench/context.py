@@ -113,7 +113,7 @@ class _RecordingEngine:
 def _served(engine: Engine, core: Any, budget: int, layout: str, **options: Any) -> ServedEngine:
     """`core` in the stages `options` turn on, as `tolk worker` composes them."""
     settings = Settings(context_tokens=budget, context_layout=layout)
-    return build_served_engine(core, settings, ServingOptions(**options), base=engine)
+    return build_served_engine(core, ServingOptions.of(settings, **options), base=engine)
 
 
 def dialogues(n: int, max_turns: int, seed: int) -> list[list[Utterance]]:

@@ -389,7 +389,7 @@ def run_real_arm(
     reader = _ReplyReader(args.bootstrap, replies_topic(prefix))
     reader.start()
     # the builder with no stage on: the fair engine alone (workers/serving/pipeline.py)
-    served = build_served_engine(fe, settings, ServingOptions(faithful=False))
+    served = build_served_engine(fe, ServingOptions.of(settings, faithful=False))
     worker = Worker(settings, served, registry=CollectorRegistry())
     wthread = worker.run_in_thread()
     if not worker.assigned_event.wait(60):
@@ -716,7 +716,7 @@ def run_memory(args: argparse.Namespace, loaded: Any) -> dict:
         max_poll_records=max(1, hw // 2),  # one consume() batch may overshoot high water
     )
     # the builder with no stage on: the fair engine alone (workers/serving/pipeline.py)
-    served = build_served_engine(fe, settings, ServingOptions(faithful=False))
+    served = build_served_engine(fe, ServingOptions.of(settings, faithful=False))
     worker = Worker(settings, served, registry=CollectorRegistry())
     th = worker.run_in_thread()
     rss: list[int] = []

@@ -147,7 +147,7 @@ def run_after(
         engine.prompts.default_form, engine.prompts.retry_form = forms
     # the service's faithfulness stage alone, as the builder composes it (no cache)
     served = build_served_engine(
-        engine, Settings(), ServingOptions(max_new_tokens=LANGUAGE_CAP), base=engine
+        engine, ServingOptions.of(Settings(), max_new_tokens=LANGUAGE_CAP), base=engine
     )
     guarded: FaithfulEngine = served.stage("faithful")
     engine.start()

@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies=policies,
     )  # fmt: skip
     # the builder with no stage on: the fair engine's own cost (workers/serving/pipeline.py)
-    served = build_served_engine(engine, settings, ServingOptions(faithful=False))
+    served = build_served_engine(engine, ServingOptions.of(settings, faithful=False))
     worker = Worker(settings, served, registry=CollectorRegistry())
     stop = threading.Event()
     thread = worker.run_in_thread(stop)  # starts the engine's loop thread too

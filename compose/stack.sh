@@ -10,6 +10,10 @@
 #                                  only Prometheus (Debian's package, apt-get installs it if
 #                                  missing), scraping the workers and `tolk load` on loopback;
 #                                  'up' starts it too with TOLK_OBSERVABILITY=1, 'down' stops it
+#   bash compose/stack.sh registry-up | registry-down
+#                                  only the Schema Registry (Apicurio, compose/registry/pom.xml,
+#                                  built with mvn once): http://127.0.0.1:8085/apis/ccompat/v7;
+#                                  'up' starts it too with TOLK_REGISTRY=1, 'down' stops it
 #
 # Environment (all optional):
 #   TOLK_STATE_DIR               state dir (default ~/.local/state/tolk): jars, data, logs, pidfiles
@@ -25,6 +29,8 @@
 #   TOLK_PROMETHEUS_TARGETS      worker metrics ports it scrapes (default 127.0.0.1:9400; comma list)
 #   TOLK_PROMETHEUS_LOAD_TARGETS `tolk load` metrics ports it scrapes (default 127.0.0.1:9402)
 #   TOLK_PROMETHEUS_SCRAPE_INTERVAL  scrape interval (default 5s)
+#   TOLK_REGISTRY                1: 'up' also starts the Schema Registry (as 'registry-up' does)
+#   TOLK_REGISTRY_PORT           the registry on 127.0.0.1 (default 8085)
 #   TOLK_START_TIMEOUT           seconds to wait for each service to answer (default 120)
 #   TOLK_PYTHON                  a python with confluent_kafka for the broker readiness check
 #   TOLK_KAFKA_SECURITY          plaintext (default) or sasl_ssl: the broker port becomes a
@@ -54,6 +60,7 @@ PROM_PORT="${TOLK_PROMETHEUS_PORT:-9090}"
 PROM_TARGETS="${TOLK_PROMETHEUS_TARGETS:-127.0.0.1:9400}"
 PROM_LOAD_TARGETS="${TOLK_PROMETHEUS_LOAD_TARGETS:-127.0.0.1:9402}"
 PROM_INTERVAL="${TOLK_PROMETHEUS_SCRAPE_INTERVAL:-5s}"
+REGISTRY_PORT="${TOLK_REGISTRY_PORT:-8085}"
 
 LOG_DIR="$STATE_DIR/logs"
 LIBS_DIR="$STATE_DIR/kafka-libs"
@@ -726,6 +733,79 @@ prometheus_down() {
     rm -f "$PROM_PID"
 }
 
+# ---------------------------------------------------------------- schema registry (issue #45)
+# Apicurio Registry (compose/registry/pom.xml: its application jar from Maven Central, built
+# into a runnable Quarkus application once, kept in the state dir), on loopback, storage in
+# memory; the Confluent-compatible API at /apis/ccompat/v7.
+
+REGISTRY_DIR="$STATE_DIR/registry"
+REGISTRY_PID="$REGISTRY_DIR/registry.pid"
+REGISTRY_RUN="$REGISTRY_DIR/quarkus-app/quarkus-run.jar"
+REGISTRY_API="/apis/ccompat/v7"
+
+registry_pid() { pid_of "$REGISTRY_PID" "$REGISTRY_RUN"; }
+
+registry_ready() {  # HTTP 200 from the ccompat API's subject list
+    local reply
+    reply="$(exec 2>/dev/null 3<>"/dev/tcp/127.0.0.1/$REGISTRY_PORT" \
+        && printf 'GET %s/subjects HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$REGISTRY_API" >&3 \
+        && timeout 2 head -c 12 <&3)" 2>/dev/null || return 1
+    [[ $reply == "HTTP/1."?" 200" ]]
+}
+
+build_registry() {
+    local stamp="$REGISTRY_DIR/.built" want build="$REGISTRY_DIR/build"
+    want="$(find "$COMPOSE_DIR/registry" -type f -not -path '*/target/*' | sort | xargs cat \
+        | sha256sum | cut -d' ' -f1)"
+    if [[ -f $stamp && "$(<"$stamp")" == "$want" && -f $REGISTRY_RUN ]]; then
+        return 0
+    fi
+    command -v mvn >/dev/null || die "the registry is not built yet and 'mvn' is missing"
+    log "building the Schema Registry (Apicurio, compose/registry/pom.xml) into $REGISTRY_DIR"
+    rm -rf "$build" "$REGISTRY_DIR/quarkus-app"
+    mkdir -p "$REGISTRY_DIR" "$LOG_DIR"
+    cp -r "$COMPOSE_DIR/registry" "$build"
+    mvn -B -Dstyle.color=never -f "$build/pom.xml" -DskipTests -Dquarkus.package.type=fast-jar package \
+        >"$LOG_DIR/registry-mvn.log" 2>&1 \
+        || { tail -n 40 "$LOG_DIR/registry-mvn.log" >&2; die "the registry build failed (log: $LOG_DIR/registry-mvn.log)"; }
+    mv "$build/target/quarkus-app" "$REGISTRY_DIR/quarkus-app"
+    rm -rf "$build"
+    echo "$want" >"$stamp"
+}
+
+registry_up() {
+    local pid i
+    if pid="$(registry_pid)" && registry_ready; then
+        log "schema registry already running (pid $pid) on 127.0.0.1:$REGISTRY_PORT"
+        return 0
+    fi
+    port_open "$REGISTRY_PORT" && die "the registry port $REGISTRY_PORT is already taken"
+    require_java
+    build_registry
+    log "starting the Schema Registry on 127.0.0.1:$REGISTRY_PORT ($REGISTRY_API)"
+    setsid java -Xmx384m -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$REGISTRY_PORT" \
+        -jar "$REGISTRY_RUN" >"$LOG_DIR/registry.out" 2>&1 </dev/null 9>&- &
+    pid=$!
+    echo "$pid" >"$REGISTRY_PID"
+    for ((i = 0; i < START_TIMEOUT; i++)); do
+        if registry_ready; then
+            log "schema registry up (pid $pid): http://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || { tail -n 40 "$LOG_DIR/registry.out" >&2; die "the registry exited during start-up (log: $LOG_DIR/registry.out)"; }
+        sleep 1
+    done
+    die "the registry (pid $pid) did not answer on 127.0.0.1:$REGISTRY_PORT within ${START_TIMEOUT}s"
+}
+
+registry_down() {
+    local pid
+    if pid="$(registry_pid)"; then
+        stop_pid "$pid" registry 30
+    fi
+    rm -f "$REGISTRY_PID"
+}
+
 # ---------------------------------------------------------------- commands
 
 status() {
@@ -759,6 +839,9 @@ status() {
     if pid="$(prometheus_pid)"; then  # optional: never changes the exit code
         echo "prometheus: running (pid $pid) on 127.0.0.1:$PROM_PORT"
     fi
+    if pid="$(registry_pid)"; then  # optional for now (TOLK_REGISTRY=1)
+        echo "schema registry: running (pid $pid): http://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+    fi
     echo "state: $STATE_DIR"
     [[ ! -s $CLIENT_ENV ]] || echo "client credentials: $CLIENT_ENV"
     return "$rc"
@@ -787,10 +870,16 @@ case "${1:-}" in
     up)
         with_lock prepare_secrets && with_lock redis_up && with_lock kafka_up && record_mode
         [[ ${TOLK_OBSERVABILITY:-0} != 1 ]] || with_lock prometheus_up
+        [[ ${TOLK_REGISTRY:-0} != 1 ]] || with_lock registry_up
         ;;
-    down) with_lock prometheus_down && with_lock kafka_down && with_lock redis_down ;;
+    down)
+        with_lock registry_down && with_lock prometheus_down && with_lock kafka_down \
+            && with_lock redis_down
+        ;;
     observability-up) with_lock prometheus_up ;;
     observability-down) with_lock prometheus_down ;;
+    registry-up) with_lock registry_up ;;
+    registry-down) with_lock registry_down ;;
     status) status ;;
     __exec-java)
         shift
@@ -798,6 +887,7 @@ case "${1:-}" in
         java_cmd "$@"
         ;;
     clean)
+        with_lock registry_down
         with_lock prometheus_down
         with_lock kafka_down
         with_lock redis_down
@@ -805,7 +895,7 @@ case "${1:-}" in
         log "removed $KAFKA_DIR, $REDIS_DIR and the certificates and secrets"
         ;;
     *)
-        echo "usage: $0 up|down|status|clean|observability-up|observability-down" >&2
+        echo "usage: $0 up|down|status|clean|observability-up|observability-down|registry-up|registry-down" >&2
         exit 2
         ;;
 esac

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from replay import confseq, quality, sequential
+from replay.run_dir import ReplyLine, SentLine
 
 STOP_METRICS = ("chrf", "within_slo")
 
@@ -86,24 +87,13 @@ class DecisionWatch:
             self._waiting[request_id] = None
             self._languages.add(target_lang)
 
-    def sent_record(self, request: Mapping[str, Any]) -> None:
-        """A line of requests.jsonl."""
-        self.sent(
-            str(request["request_id"]),
-            str(request["target_lang"]),
-            request.get("reference"),
-            float(request["sent_ms"]),
-        )
+    def sent_line(self, line: SentLine) -> None:
+        """A line of requests.jsonl (a resumed run)."""
+        self.sent(line.request_id, line.target_lang, line.reference, line.sent_ms)
 
-    def replied_record(self, reply: Mapping[str, Any]) -> None:
+    def replied_line(self, line: ReplyLine) -> None:
         """A line of replies.jsonl."""
-        self.replied(
-            str(reply.get("request_id")),
-            reply.get("arm"),
-            str(reply.get("status")),
-            str(reply.get("text") or ""),
-            float(reply.get("received_ms") or 0.0),
-        )
+        self.replied(line.request_id, line.arm, line.status, line.text, line.received_ms)
 
     def replied(
         self, request_id: str, arm: str | None, status: str, text: str, received_ms: float

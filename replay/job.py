@@ -44,7 +44,7 @@ from replay.early_stop import DecisionWatch, stop_setting
 from replay.job_report import NO_ARM, JobReport, ReplyBook
 from replay.logs import KNOWN_LANGUAGES, LogFormat, read_log
 from replay.pacing import Pacer, Planned, schedule, select_records
-from schemas.codec import encode_request
+from schemas.wire import WireRequest, write_request
 from topics.admin import ensure_topics
 from topics.catalog import REQUEST_RETENTION_MS, TopicSpec, catalog, request_topic
 from workers.arms import MIRROR_METADATA_KEY
@@ -224,23 +224,23 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
     def _restore(self, plan: list[Planned]) -> list[Planned]:
         """Load what earlier sessions of the run sent and received; the turns still to send."""
         by_id = {self.request_id(p): p for p in plan}
-        old_requests = rd.read_jsonl(self.run_dir / rd.REQUESTS)
-        self.old_replies = rd.read_jsonl(self.run_dir / rd.REPLIES)
+        old_requests = rd.read_sent(self.run_dir)
+        self.old_replies = rd.read_replies(self.run_dir)
         self.book = ReplyBook(self.info["arms"])
         self.lags: list[float] = []
         for req in old_requests:
-            rid = req.get("request_id")
+            rid = req.request_id
             if rid not in by_id:
                 continue
             self.book.sent[rid] = by_id[rid].index
-            self.created_at[rid] = int(req.get("created_at_ms") or 0)
-            self.lags.append(abs(float(req["sent_ms"]) - float(req["scheduled_ms"])))
+            self.created_at[rid] = req.created_at_ms
+            self.lags.append(abs(req.sent_ms - req.scheduled_ms))
             if self.watch is not None:
-                self.watch.sent_record(req)
+                self.watch.sent_line(req)
         for reply in self.old_replies:
-            self.book.add(str(reply.get("request_id")), reply.get("arm") or NO_ARM)
+            self.book.add(reply.request_id, reply.arm or NO_ARM)
             if self.watch is not None:
-                self.watch.replied_record(reply)
+                self.watch.replied_line(reply)
         return [p for p in plan if self.request_id(p) not in self.book.sent]
 
     def _connect(self) -> None:
@@ -326,19 +326,19 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
         rec, rid = planned.record, self.request_id(planned)
         created_at = int(time.time() * 1000)
         deadline_s = self.info.get("deadline_s")
-        value = encode_request(
-            {
-                "request_id": rid,
-                "conversation_id": rec.conversation_id,
-                "source_lang": rec.source_lang,
-                "target_lang": rec.target_lang,
-                "text": rec.text,
-                "created_at": created_at,
-                "deadline": created_at + int(deadline_s * 1000) if deadline_s else None,
-                "reply_topic": self.info["reply_topic"],
-                "model_version": None,
-                "metadata": {MIRROR_KEY: "1", RUN_KEY: self.info["run_id"]},
-            }
+        value = write_request(
+            WireRequest(
+                request_id=rid,
+                conversation_id=rec.conversation_id,
+                source_lang=rec.source_lang,
+                target_lang=rec.target_lang,
+                text=rec.text,
+                created_at=created_at,
+                deadline=created_at + int(deadline_s * 1000) if deadline_s else None,
+                reply_topic=str(self.info["reply_topic"]),
+                model_version=None,
+                metadata={MIRROR_KEY: "1", RUN_KEY: str(self.info["run_id"])},
+            )
         )
         topic = request_topic(rec.target_lang, self.info.get("topic_prefix", ""))
         sent_ms = self.clock()
@@ -361,22 +361,22 @@ class ReplayJob(JobReport):  # the reply book and the summary: replay/job_report
         self.last_send_ms = sent_ms
         self.lags.append(abs(sent_ms - due_ms))
         self.requests_out.write(
-            {
-                "request_id": rid,
-                "conversation_id": rec.conversation_id,
-                "turn": rec.turn,
-                "source_lang": rec.source_lang,
-                "target_lang": rec.target_lang,
-                "text": rec.text,
-                "reference": rec.reference,
-                "intent": rec.intent,
-                "sender": rec.sender,
-                "row": rec.row,
-                "scheduled_ms": due_ms,
-                "sent_ms": sent_ms,
-                "created_at_ms": created_at,
-                "topic": topic,
-            }
+            rd.SentLine(
+                request_id=rid,
+                conversation_id=rec.conversation_id,
+                turn=rec.turn,
+                source_lang=rec.source_lang,
+                target_lang=rec.target_lang,
+                text=rec.text,
+                reference=rec.reference,
+                intent=rec.intent,
+                sender=rec.sender,
+                row=rec.row,
+                scheduled_ms=due_ms,
+                sent_ms=sent_ms,
+                created_at_ms=created_at,
+                topic=topic,
+            ).to_json()
         )
 
     def _delivered(self, request_id: str) -> Callable[[Any, Any], None]:

@@ -21,7 +21,8 @@ from typing import Any
 from replay import run_dir as rd
 from replay.early_stop import DecisionWatch
 from replay.pacing import Pacer
-from schemas.codec import SchemaError, decode_result
+from schemas.codec import SchemaError
+from schemas.wire import read_result
 from workers.arms import split_arm
 
 __all__ = ["NO_ARM", "SEND_LAG_TARGET_MS", "JobReport", "ReplyBook", "arm_of", "percentile"]
@@ -104,37 +105,36 @@ class JobReport:
     created_at: dict[str, int]
     watch: DecisionWatch | None
 
-    def _take_reply(self, msg: Any) -> dict[str, Any] | None:
+    def _take_reply(self, msg: Any) -> rd.ReplyLine | None:
         """Decode, record and count one reply record; the reply as written (None: none)."""
         if msg.error() is not None:
             return None
         try:
-            result = decode_result(msg.value() or b"")
+            result = read_result(msg.value() or b"")
         except SchemaError:
             self.undecodable += 1
             return None
         received_ms = self.clock()
-        rid = str(result["request_id"])
-        version = str(result.get("model_version") or "")
+        rid, version = result.request_id, result.model_version
         arm = arm_of(version)
-        reply = {
-            "request_id": rid,
-            "arm": arm,
-            "model_version": version,
-            "status": str(result["status"]),
-            "text": result.get("text", ""),
-            "error": result.get("error"),
-            "received_ms": received_ms,
-            "created_at_ms": self.created_at.get(rid),
-            "completed_at_ms": result.get("completed_at"),
-            "worker_id": result.get("worker_id"),
-            "metadata": dict(result.get("metadata") or {}),
-            "partition": msg.partition(),
-            "offset": msg.offset(),
-        }
-        self.replies_out.write(reply)
+        reply = rd.ReplyLine(
+            request_id=rid,
+            arm=arm,
+            model_version=version,
+            status=result.status,
+            text=result.text,
+            error=result.error,
+            received_ms=received_ms,
+            created_at_ms=self.created_at.get(rid),
+            completed_at_ms=result.completed_at,
+            worker_id=result.worker_id,
+            metadata=dict(result.metadata),
+            partition=msg.partition(),
+            offset=msg.offset(),
+        )
+        self.replies_out.write(reply.to_json())
         if self.watch is not None:  # --stop-when-decided (replay/early_stop.py)
-            self.watch.replied_record(reply)
+            self.watch.replied_line(reply)
         if self.book.add(rid, arm or NO_ARM):
             self.pacer.mark_answered(self.book.sent[rid], received_ms)
         return reply

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from replay import confseq, quality, sequential, stats
+from replay.run_dir import PROBLEMS, ReplyLine, SentLine, iter_jsonl, read_replies, read_sent
 from workers import reply_metadata
 
 STATUSES = ("OK", "ERROR", "REJECTED", "EXPIRED")
@@ -79,22 +80,8 @@ LATENCY_METRICS = tuple(f"latency_p{q}_ms" for q in PERCENTILES)
 # --- reading the run directory ----------------------------------------------------------------
 
 
-def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    if not path.exists():
-        return
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by an interrupted run; the job resumes past it
-
-
-def _arm_of(reply: dict[str, Any]) -> str:
-    return str(reply.get("arm") or reply.get("model_version") or "(none)")
+def _arm_of(reply: ReplyLine) -> str:
+    return reply.arm or reply.model_version or "(none)"
 
 
 def find_noise_pair(arms: list[str]) -> tuple[str, str] | None:
@@ -110,69 +97,62 @@ def find_noise_pair(arms: list[str]) -> tuple[str, str] | None:
 
 
 def _measure(
-    requests: dict[str, dict[str, Any]], replies: dict[str, dict[str, Any]], languages: list[str]
+    requests: dict[str, SentLine], replies: dict[str, ReplyLine], languages: list[str]
 ) -> dict[str, dict[str, Any]]:
     """request_id -> measures of one arm's first replies (see the module doc, step 2)."""
     out: dict[str, dict[str, Any]] = {}
-    ok = [rid for rid, rep in replies.items() if rep.get("status") == "OK" and rid in requests]
-    with_ref = [rid for rid in ok if requests[rid].get("reference")]
-    hyps = [str(replies[rid].get("text") or "") for rid in with_ref]
-    refs = [str(requests[rid]["reference"]) for rid in with_ref]
+    ok = [rid for rid, rep in replies.items() if rep.status == "OK" and rid in requests]
+    with_ref = [rid for rid in ok if requests[rid].reference]
+    hyps = [replies[rid].text for rid in with_ref]
+    refs = [str(requests[rid].reference) for rid in with_ref]
     chrf_rows = dict(zip(with_ref, quality.chrf_statistics(hyps, refs), strict=True))
     bleu_rows = dict(zip(with_ref, quality.bleu_statistics(hyps, refs), strict=True))
     for rid, reply in replies.items():
         if rid not in requests:
             continue
         req = requests[rid]
-        m: dict[str, Any] = {"status": reply.get("status", "ERROR")}
+        m: dict[str, Any] = {"status": reply.status}
         out[rid] = m
         if m["status"] != "OK":
             # an ERROR whose text the worker's faithfulness checks kept back (issue #18)
-            m["withheld"] = (reply.get("metadata") or {}).get(WITHHELD_KEY) == "withheld"
+            m["withheld"] = reply.metadata.get(WITHHELD_KEY) == "withheld"
             continue
-        text = str(reply.get("text") or "")
-        cascade = (reply.get("metadata") or {}).get(CASCADE_KEY)
+        text = reply.text
+        cascade = reply.metadata.get(CASCADE_KEY)
         if cascade:
             m["cascade"] = cascade
-        m["latency_ms"] = float(reply["received_ms"]) - float(req["sent_ms"])
+        m["latency_ms"] = reply.received_ms - req.sent_ms
         if rid in chrf_rows:
             m["chrf"], m["bleu"] = chrf_rows[rid], bleu_rows[rid]
-        m["off_target_rate"] = [float(quality.off_target(text, req["target_lang"], languages))]
+        m["off_target_rate"] = [float(quality.off_target(text, req.target_lang, languages))]
         m["empty_rate"] = [float(quality.is_empty(text))]
-        m["truncated_rate"] = [
-            float(quality.is_truncated(req["text"], text, reply.get("metadata")))
-        ]
-        spans = quality.span_preservation(req["text"], text)
+        m["truncated_rate"] = [float(quality.is_truncated(req.text, text, reply.metadata))]
+        spans = quality.span_preservation(req.text, text)
         if spans is not None and spans[1] > 0:
             m["span_preservation"] = [float(spans[0]), float(spans[1])]
     return out
 
 
 def _add_intent_agreement(
-    requests: dict[str, dict[str, Any]],
+    requests: dict[str, SentLine],
     measures: dict[str, dict[str, dict[str, Any]]],
-    replies: dict[str, dict[str, dict[str, Any]]],
+    replies: dict[str, dict[str, ReplyLine]],
 ) -> None:
     """Per target language: fit on the labelled references, compare predicted intents of each
     OK translation and of its reference."""
-    labelled = [r for r in requests.values() if r.get("intent") and r.get("reference")]
-    by_lang: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    labelled = [r for r in requests.values() if r.intent and r.reference]
+    by_lang: dict[str, list[SentLine]] = defaultdict(list)
     for req in labelled:
-        by_lang[req["target_lang"]].append(req)
+        by_lang[req.target_lang].append(req)
     for reqs in by_lang.values():
-        if len({r["intent"] for r in reqs}) < 2:
+        if len({r.intent for r in reqs}) < 2:
             continue
-        clf = quality.IntentClassifier([r["reference"] for r in reqs], [r["intent"] for r in reqs])
-        ref_intent = dict(
-            zip(
-                [r["request_id"] for r in reqs],
-                clf.predict([r["reference"] for r in reqs]),
-                strict=True,
-            )
-        )
+        references = [str(r.reference) for r in reqs]
+        clf = quality.IntentClassifier(references, [str(r.intent) for r in reqs])
+        ref_intent = dict(zip([r.request_id for r in reqs], clf.predict(references), strict=True))
         for arm, arm_measures in measures.items():
             rids = [rid for rid in ref_intent if arm_measures.get(rid, {}).get("status") == "OK"]
-            predicted = clf.predict([str(replies[arm][rid].get("text") or "") for rid in rids])
+            predicted = clf.predict([replies[arm][rid].text for rid in rids])
             for rid, intent in zip(rids, predicted, strict=True):
                 arm_measures[rid]["intent_agreement"] = [float(intent == ref_intent[rid])]
 
@@ -263,11 +243,11 @@ def build_report(
     margins = {**sequential.DEFAULT_MARGINS, **(margins or {})}
     root = Path(run_dir)
     run = json.loads((root / "run.json").read_text(encoding="utf-8"))
-    requests = {r["request_id"]: r for r in _jsonl(root / "requests.jsonl")}
-    first: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    requests = {r.request_id: r for r in read_sent(root)}
+    first: dict[str, dict[str, ReplyLine]] = defaultdict(dict)
     duplicates: dict[str, Counter[str]] = defaultdict(Counter)
-    for reply in sorted(_jsonl(root / "replies.jsonl"), key=lambda r: r.get("received_ms", 0)):
-        arm, rid = _arm_of(reply), reply["request_id"]
+    for reply in sorted(read_replies(root), key=lambda r: r.received_ms):
+        arm, rid = _arm_of(reply), reply.request_id
         if rid in first[arm]:
             duplicates[arm][rid] += 1
         else:
@@ -279,16 +259,15 @@ def build_report(
     pair = pair or find_noise_pair(arms)
     base = baseline or run.get("baseline") or (pair[0] if pair else (arms[0] if arms else None))
     languages = sorted(
-        {r["target_lang"] for r in requests.values()}
-        | {r["source_lang"] for r in requests.values()}
+        {r.target_lang for r in requests.values()} | {r.source_lang for r in requests.values()}
     )
     measures = {arm: _measure(requests, first[arm], languages) for arm in arms}
     _add_intent_agreement(requests, measures, first)
 
     groups: dict[str, list[str]] = defaultdict(list)
     for rid, req in requests.items():
-        groups[f"language {req['target_lang']}"].append(rid)
-        groups[f"direction {req['source_lang']}->{req['target_lang']}"].append(rid)
+        groups[f"language {req.target_lang}"].append(rid)
+        groups[f"direction {req.source_lang}->{req.target_lang}"].append(rid)
     others = [arm for arm in arms if arm != base]
     noise_arm = pair[1] if pair and pair[0] == base else None
     report_groups: dict[str, Any] = {}
@@ -346,7 +325,7 @@ def build_report(
         "baseline": base,
         "noise_pair": list(pair) if pair else None,
         "requests": len(requests),
-        "problems": sum(1 for _ in _jsonl(root / "problems.jsonl")),
+        "problems": sum(1 for _ in iter_jsonl(root / PROBLEMS)),
         "bootstrap": {"draws": draws, "seed": seed, "confidence": stats.CONFIDENCE},
         "sequential": {
             "method": "paired betting confidence sequence (Waudby-Smith & Ramdas)",
@@ -361,12 +340,12 @@ def build_report(
 
 
 def _latencies_by_language(
-    requests: dict[str, dict[str, Any]], measures: dict[str, dict[str, Any]]
+    requests: dict[str, SentLine], measures: dict[str, dict[str, Any]]
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = defaultdict(list)
     for rid, m in measures.items():
         if "latency_ms" in m:
-            out[requests[rid]["target_lang"]].append(round(m["latency_ms"], 3))
+            out[requests[rid].target_lang].append(round(m["latency_ms"], 3))
     return {lang: sorted(values) for lang, values in sorted(out.items())}
 
 

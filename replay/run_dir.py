@@ -14,6 +14,13 @@ run learns from `requests.jsonl` which requests went out (never sent twice) and 
 highest offset per partition in `replies.jsonl` where to continue reading its reply topic.
 Times inside the files are ms after the run's `created_at_ms` (epoch), except the fields named
 `*_at_ms`, which are epoch milliseconds.
+
+A line of `requests.jsonl` is a `SentLine`, one of `replies.jsonl` a `ReplyLine`: the job writes
+them with `to_json` and the report and a resumed run read them with `read_sent` /
+`read_replies`, so no code reads their fields by string key (the request and reply fields they
+copy are typed in `schemas/wire.py`). Reading is lenient: an unknown key is ignored and a
+missing one takes its default, so run directories of older versions still report; a line
+without a `request_id` is skipped like a broken one.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import secrets
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 RUN_JSON = "run.json"
 REQUESTS = "requests.jsonl"
@@ -167,11 +175,83 @@ class JsonlWriter:
         self.close()
 
 
-def reply_offsets(replies: list[dict[str, Any]]) -> dict[int, int]:
+@dataclass(frozen=True, slots=True)
+class SentLine:
+    """A line of requests.jsonl: one request the job produced (docs/REPLAY.md)."""
+
+    request_id: str
+    conversation_id: str = ""
+    turn: int | None = None
+    source_lang: str = ""
+    target_lang: str = ""
+    text: str = ""
+    reference: str | None = None  # the log's human translation, when it has one
+    intent: str | None = None
+    sender: str | None = None
+    row: str = ""  # where in the log it came from
+    scheduled_ms: float = 0.0  # when the schedule said to send it (ms after the run's start)
+    sent_ms: float = 0.0  # when produce() was called (the run's clock)
+    created_at_ms: int = 0  # the request's created_at (epoch ms)
+    topic: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyLine:
+    """A line of replies.jsonl: one reply record the job consumed, duplicates too."""
+
+    request_id: str
+    arm: str | None = None  # the A/B arm named by its model_version (None: none)
+    model_version: str = ""
+    status: str = "ERROR"
+    text: str = ""
+    error: str | None = None
+    received_ms: float = 0.0  # when the job read it (the run's clock)
+    created_at_ms: int | None = None  # its request's created_at (epoch ms)
+    completed_at_ms: int | None = None  # the worker's completed_at (epoch ms)
+    worker_id: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    partition: int | None = None
+    offset: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["metadata"] = dict(self.metadata)
+        return out
+
+
+_Line = TypeVar("_Line", SentLine, ReplyLine)
+
+
+def _lines(path: Path, cls: type[_Line]) -> list[_Line]:
+    names = {f.name for f in fields(cls)}
+    out = []
+    for obj in iter_jsonl(path):
+        try:
+            line = cls(**{k: v for k, v in obj.items() if k in names})
+        except TypeError:  # no request_id
+            continue
+        if isinstance(line.request_id, str):
+            out.append(line)
+    return out
+
+
+def read_sent(run_dir: Path) -> list[SentLine]:
+    """The requests a run produced, in send order."""
+    return _lines(run_dir / REQUESTS, SentLine)
+
+
+def read_replies(run_dir: Path) -> list[ReplyLine]:
+    """The replies a run consumed, in the order it read them."""
+    return _lines(run_dir / REPLIES, ReplyLine)
+
+
+def reply_offsets(replies: list[ReplyLine]) -> dict[int, int]:
     """partition -> the next offset to read, from the replies a run already wrote."""
     nxt: dict[int, int] = {}
     for reply in replies:
-        partition, offset = reply.get("partition"), reply.get("offset")
-        if isinstance(partition, int) and isinstance(offset, int):
-            nxt[partition] = max(nxt.get(partition, 0), offset + 1)
+        if reply.partition is not None and reply.offset is not None:
+            nxt[reply.partition] = max(nxt.get(reply.partition, 0), reply.offset + 1)
     return nxt

@@ -13,9 +13,12 @@ Design notes
   records to its own (newer or older) schema: that is how replaying old logs keeps working.
   Writer schemas other than the current ones are made known with ``register_writer_schema``.
 * With a Schema Registry, values use the Confluent wire format instead: ``00``, the 4-byte
-  big-endian schema id, the body. The ids come from the deployment (``SchemaIds``); the codec
-  never talks to a registry and never registers schemas (workers must not do that by
-  accident). ``decode`` accepts both formats whatever the codec writes.
+  big-endian schema id, the body. The ids come from the deployment (``SchemaIds``), or from a
+  live registry (``ids_from``, a ``schemas/registry.py`` ``SchemaRegistry``): a writer id not
+  seen yet is fetched once and kept, and ``encode(..., subject=)`` writes the id the registry
+  holds for the schema under that subject (looked up once, never registered: workers must not
+  register schemas by accident; ``tolk topics create`` does). ``decode`` accepts both formats
+  whatever the codec writes.
 * Timestamps (``timestamp-millis``) decode as int epoch milliseconds by default: the hot path
   compares them with ``time.time() * 1000`` and needs no datetime objects. ``encode`` takes
   either ints or aware datetimes. ``AvroCodec(timestamps="datetime")`` decodes datetimes.
@@ -26,6 +29,11 @@ Design notes
   (or larger than the data it holds), so a crafted record cannot make the decoder allocate
   what it declares (a 2 GB string in a 30-byte record). ``AvroCodec(limits=...)`` configures
   them; the default allows 1 MiB per string, 10,000 items per map or array, nesting 32 deep.
+
+One concern: bytes <-> records for every schema and both wire formats, with the writer-schema
+bookkeeping (fingerprints, registry ids) they need; reading the schema files is
+``schema_files.py``'s, the body's size check ``limits.py``'s, the registry's HTTP
+``registry.py``'s.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ import functools
 import io
 import json
 import struct
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import fastavro
 
@@ -87,11 +96,21 @@ SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 SINGLE_OBJECT_HEADER_LEN = 10  # magic (2) + fingerprint (8)
 CONFLUENT_MAGIC = 0
 CONFLUENT_HEADER_LEN = 5  # magic (1) + schema id (4, big-endian)
+FETCH_RETRY_S = 30.0  # an id the registry did not give is asked for again after this
+REGISTRY_DOWN_S = 5.0  # a registry not reached is not asked again for this long
+
+
+class IdSource(Protocol):
+    """Where a codec finds registry ids it was not given (`schemas.registry.SchemaRegistry`)."""
+
+    def schema_by_id(self, schema_id: int) -> Mapping[str, Any]: ...
+
+    def lookup(self, subject: str, schema: Mapping[str, Any]) -> int | None: ...
 
 
 @dataclass(frozen=True)
 class SchemaIds:
-    """Schema Registry ids, fixed by the deployment (the codec has no registry client).
+    """Schema Registry ids fixed by the deployment (a live registry: ``AvroCodec(ids_from=)``).
 
     ``ids`` maps a schema's full name (``tolk.TranslationRequest``) to the registry id of the
     version this process writes. Ids of older writer versions are given to
@@ -120,6 +139,7 @@ class AvroCodec:
         schemas: Mapping[str, Mapping[str, Any]] | None = None,
         *,
         registry: SchemaIds | None = None,
+        ids_from: IdSource | None = None,
         timestamps: Timestamps = "millis",
         limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
@@ -128,6 +148,11 @@ class AvroCodec:
         self._timestamps: Timestamps = timestamps
         self._scanner = BodyScanner(limits)
         self._registry = registry
+        self._ids_from = ids_from
+        self._subject_ids: dict[tuple[str, bytes], int] = {}  # (subject, fingerprint) -> id
+        self._failed_ids: dict[int, tuple[float, str]] = {}  # id -> (retry after, why)
+        self._registry_down_until = 0.0
+        raws = builtin_schemas() if schemas is None else schemas
         if schemas is None:
             readers = dict(builtin_writers(timestamps))
         else:
@@ -135,6 +160,9 @@ class AvroCodec:
             for raw in schemas.values():
                 writer = make_writer(raw, timestamps)
                 readers[writer.name] = writer
+        self._raw_by_fp: dict[bytes, Mapping[str, Any]] = {
+            schema_fingerprint(raw): raw for raw in raws.values()
+        }
         self._readers: dict[str, Writer] = readers
         self._aliases: dict[str, str] = {}
         for name in readers:
@@ -208,28 +236,40 @@ class AvroCodec:
         if writer is None:
             writer = make_writer(schema, self._timestamps)
             writer = self._by_fingerprint.setdefault(writer.fingerprint, writer)
+            self._raw_by_fp.setdefault(writer.fingerprint, schema)
             self._by_json[key] = writer
         return writer
 
     # ------------------------------------------------------------------ encode
 
-    def encode(self, name_or_schema: str | Mapping[str, Any], record: Mapping[str, Any]) -> bytes:
+    def encode(
+        self,
+        name_or_schema: str | Mapping[str, Any],
+        record: Mapping[str, Any],
+        *,
+        subject: str | None = None,
+    ) -> bytes:
         """Encode ``record`` with the named reader schema or a raw writer schema.
 
-        Fields with defaults may be left out; unknown fields are an error.
+        Fields with defaults may be left out; unknown fields are an error. ``subject``: with a
+        live registry (``ids_from``), the id written is the one it holds for the schema under
+        that subject (``<topic>-value``).
         """
         if isinstance(name_or_schema, str):
             writer = self._readers[self.resolve_name(name_or_schema)]
         else:
             writer = self._writer_for(name_or_schema)
-        if self._registry is not None:
-            schema_id = self._id_of.get(writer.fingerprint)
-            if schema_id is None:
+        if self._ids_from is not None and subject is not None:
+            schema_id = self._subject_id(subject, writer)
+            header = struct.pack(">bI", CONFLUENT_MAGIC, schema_id)
+        elif self._registry is not None:
+            configured = self._id_of.get(writer.fingerprint)
+            if configured is None:
                 raise SchemaError(
                     f"no Schema Registry id configured for {writer.name} "
                     f"(fingerprint {writer.fingerprint.hex()}); the codec never registers schemas"
                 )
-            header = struct.pack(">bI", CONFLUENT_MAGIC, schema_id)
+            header = struct.pack(">bI", CONFLUENT_MAGIC, configured)
         else:
             header = SINGLE_OBJECT_MAGIC + writer.fingerprint
         buf = io.BytesIO()
@@ -286,6 +326,8 @@ class AvroCodec:
                 raise SchemaError(f"truncated Confluent wire-format header ({len(data)} bytes)")
             (schema_id,) = struct.unpack(">I", data[1:CONFLUENT_HEADER_LEN])
             writer = self._by_id.get(schema_id)
+            if writer is None and self._ids_from is not None:
+                writer = self._fetch_writer(schema_id)
             if writer is None:
                 configured = "none configured" if not self._by_id else "not configured"
                 raise SchemaError(
@@ -298,6 +340,52 @@ class AvroCodec:
             f"not a tolk Avro value: starts with {head}, expected c301 (single-object "
             "encoding) or 00 (Confluent wire format)"
         )
+
+    def _fetch_writer(self, schema_id: int) -> Writer:
+        """The writer schema a live registry gave `schema_id`, fetched once and kept. A failed
+        fetch is remembered for `FETCH_RETRY_S` (that id) and a registry not reached for
+        `REGISTRY_DOWN_S` (every id): records with ids nobody registered, or a registry that
+        hangs, must not cost the worker's poll loop one HTTP call each."""
+        assert self._ids_from is not None
+        now = time.monotonic()
+        failed = self._failed_ids.get(schema_id)
+        if failed is not None and now < failed[0]:
+            raise SchemaError(f"Schema Registry id {schema_id}: {failed[1]} (remembered)")
+        if now < self._registry_down_until:
+            raise SchemaError(f"Schema Registry id {schema_id}: the registry was not reached")
+        try:
+            raw = self._ids_from.schema_by_id(schema_id)
+        except Exception as exc:  # RegistryError: the registry's answer, or not reached
+            if getattr(exc, "status", None) == 0:
+                self._registry_down_until = now + REGISTRY_DOWN_S
+            if len(self._failed_ids) >= 10_000:  # ids made up by a broken producer
+                self._failed_ids.clear()
+            self._failed_ids[schema_id] = (now + FETCH_RETRY_S, str(exc))
+            raise SchemaError(f"Schema Registry id {schema_id}: {exc}") from exc
+        self.register_writer_schema(raw, schema_id=schema_id)
+        return self._by_id[schema_id]
+
+    def _subject_id(self, subject: str, writer: Writer) -> int:
+        key = (subject, writer.fingerprint)
+        schema_id = self._subject_ids.get(key)
+        if schema_id is not None:
+            return schema_id
+        assert self._ids_from is not None
+        raw = self._raw_by_fp.get(writer.fingerprint)
+        if raw is None:
+            raise SchemaError(f"no raw schema kept for {writer.name}")
+        try:
+            found = self._ids_from.lookup(subject, raw)
+        except Exception as exc:
+            raise SchemaError(f"Schema Registry subject {subject!r}: {exc}") from exc
+        if found is None:
+            raise SchemaError(
+                f"{writer.name} is not registered under subject {subject!r} "
+                "(tolk topics create registers every topic's schema; workers never do)"
+            )
+        self._subject_ids[key] = found
+        self._by_id.setdefault(found, writer)
+        return found
 
     def _read_body(
         self, data: bytes, offset: int, writer: Writer, reader_schema: Any

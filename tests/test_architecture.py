@@ -1,5 +1,8 @@
 """The import rules of docs/ARCHITECTURE.md, checked on the source (ast, no imports run).
 
+Besides imports: no import cycle, the layer order (`LAYERS`), the file-length rule, and no
+request or result field read by string key outside schemas/ (`string_key_reads`).
+
 Each package has prefixes it must never import and, optionally, exceptions inside them: the
 fair-share logic (`workers/fairness`) may take the engine's boundary types
 (`workers.engine.types`) but nothing else of the engine, and no threads; the engine imports
@@ -11,6 +14,7 @@ is read as `a.b` and relative imports are resolved against the file's package.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -548,3 +552,73 @@ def test_new_layout_package_imports(package: str) -> None:
     assert (ROOT / package).exists(), f"{package} is missing from the new layout"
     bad = new_layout_violations(package)
     assert not bad, "\n".join(bad)
+
+
+# -- the request and the result are typed outside schemas/ (schemas/wire.py) -----------------
+
+_DICT_CODEC = {"decode_request", "decode_result", "encode_request", "encode_result"}
+# the fields only a TranslationRequest / TranslationResult has ("text", "status", "error",
+# "metadata" name other records' fields too: run summaries, window counts, HTTP bodies)
+WIRE_FIELDS = {
+    f["name"]
+    for name in ("translation_request", "translation_result")
+    for f in json.loads((ROOT / "schemas" / f"{name}.avsc").read_text())["fields"]
+} - {"text", "status", "error", "metadata", "timings"}
+# other records whose keys share a wire field's name: (module, key) -> what the record is
+OTHER_RECORDS = {
+    ("replay/job.py", "reply_topic"): "run.json's settings",
+    ("replay/job_report.py", "reply_topic"): "run.json's settings",
+    ("replay/logs.py", "conversation_id"): "a row of a user's JSON Lines log",
+    ("replay/logs.py", "source_lang"): "a row of a user's JSON Lines log",
+    ("replay/logs.py", "target_lang"): "a row of a user's JSON Lines log",
+    ("workers/demo.py", "source_lang"): "a line of the demo's sample file",
+    ("workers/demo.py", "target_lang"): "a line of the demo's sample file",
+    ("workers/demo.py", "conversation_id"): "a line of the demo's sample file",
+    ("workers/loadtest/texts.py", "source_lang"): "a row of a parallel-sentence file",
+    ("workers/loadtest/texts.py", "target_lang"): "a row of a parallel-sentence file",
+}
+
+
+def string_key_reads(root: Path = ROOT, packages: tuple[str, ...] = PRODUCT) -> list[str]:
+    """`x["f"]`, `x.get("f")` / `x.pop("f")` of a wire field, and imports of the dict codec,
+    in the product modules outside schemas/."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel.startswith("schemas/"):
+                continue
+            for node in ast.walk(_parse(path)):
+                key: object = None
+                if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                    key = getattr(node.slice, "value", None)
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    if node.func.attr in ("get", "pop") and node.args:
+                        key = getattr(node.args[0], "value", None)
+                elif isinstance(node, ast.ImportFrom) and node.module == "schemas.codec":
+                    for alias in node.names:
+                        if alias.name in _DICT_CODEC:
+                            found.append(f"{rel}:{node.lineno} imports {alias.name}")
+                if key in WIRE_FIELDS and (rel, key) not in OTHER_RECORDS:
+                    found.append(f"{rel}:{node.lineno} reads [{key!r}]")
+    return found
+
+
+def test_no_request_or_result_field_read_by_string_key_outside_schemas() -> None:
+    assert {"request_id", "reply_topic", "completed_at"} <= WIRE_FIELDS
+    found = string_key_reads()
+    assert not found, "read the typed schemas.wire values instead:\n" + "\n".join(found)
+
+
+def test_string_key_check_sees_a_read_a_get_and_a_dict_decoder(tmp_path: Path) -> None:
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "bad.py").write_text(
+        "from schemas.codec import decode_request\n"
+        "def f(r):\n    return r['request_id'], r.get('reply_topic'), r.text\n"
+    )
+    found = string_key_reads(tmp_path, ("workers",))
+    assert [line.split(" ", 1)[1] for line in found] == [
+        "imports decode_request",
+        "reads ['request_id']",
+        "reads ['reply_topic']",
+    ]

@@ -39,7 +39,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+
+from schemas.wire import WireRequest
 
 __all__ = [
     "ARM_SEPARATOR",
@@ -200,13 +201,12 @@ class Route:
     arm: str | None = None  # the arm that answers (None: every arm)
 
 
-def routing_key(request: Mapping[str, Any], record_key: bytes | None = None) -> str:
-    """The conversation id, else the request id, else the record's key (an undecodable record:
-    producers key by the same ids, so it lands on the same arm its request would)."""
-    for name in ("conversation_id", "request_id"):
-        value = request.get(name)
-        if value:
-            return str(value)
+def routing_key(request: WireRequest | None, record_key: bytes | None = None) -> str:
+    """The conversation id, else the request id, else the record's key (an undecodable record,
+    `request` None: producers key by the same ids, so it lands on the same arm its request
+    would)."""
+    if request is not None and (request.conversation_id or request.request_id):
+        return request.conversation_id or request.request_id
     return record_key.decode("utf-8", "replace") if record_key else ""
 
 
@@ -220,18 +220,20 @@ def named_arm(model_version: str | None, *, arm: str, known: frozenset[str]) -> 
 
 
 def route_request(
-    request: Mapping[str, Any],
+    request: WireRequest | None,
     *,
     arm: str,
     lang: str,
     table: ShareTable,
     record_key: bytes | None = None,
 ) -> Route:
-    """Does `arm` answer `request` (of the topic language `lang`)? See the module docstring."""
-    metadata = request.get("metadata") or {}
+    """Does `arm` answer `request` (of the topic language `lang`; None: a record that did not
+    decode, routed by its key)? See the module docstring."""
+    metadata = request.metadata if request is not None else {}
     if metadata.get(MIRROR_METADATA_KEY) == "1":
         return Route(True, "mirror")
-    named = named_arm(request.get("model_version"), arm=arm, known=table.arms())
+    wanted = request.model_version if request is not None else None
+    named = named_arm(wanted, arm=arm, known=table.arms())
     if named is not None:
         return Route(named == arm, "named", named)
     shares = table.shares_for(lang)

@@ -85,9 +85,20 @@ def up(
         bool,
         typer.Option(help="Also Prometheus on :9090, scraping workers (:9400) and `tolk load`."),
     ] = False,
+    registry: Annotated[
+        bool,
+        typer.Option(
+            help="The Schema Registry on :8085 too (Apicurio, built with mvn the first time; "
+            "Confluent-compatible API at /apis/ccompat/v7)."
+        ),
+    ] = True,
 ) -> None:
-    """Start the local Kafka broker and redis (idempotent); --observability: Prometheus too."""
-    raise typer.Exit(run_stack("up", {"TOLK_OBSERVABILITY": "1"} if observability else None))
+    """Start the local Kafka broker, redis and the Schema Registry (idempotent);
+    --observability: Prometheus too."""
+    env = {"TOLK_REGISTRY": "1" if registry else "0"}
+    if observability:
+        env["TOLK_OBSERVABILITY"] = "1"
+    raise typer.Exit(run_stack("up", env))
 
 
 @app.command()
@@ -147,25 +158,58 @@ def topics_create(
     languages: LanguagesOpt = None,
     bootstrap: BootstrapOpt = None,
     partitions: Annotated[int, typer.Option(help="Partitions per topic.")] = 3,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            help="Schema Registry URL (Confluent-compatible API) to register each topic's "
+            "value schema in, as <topic>-value (default TOLK_SCHEMA_REGISTRY_URL, else the "
+            "local stack's when it answers; none: skip)."
+        ),
+    ] = None,
 ) -> None:
-    """Create the request, reply and dead-letter topics that are missing."""
+    """Create the request, reply and dead-letter topics that are missing; with a Schema
+    Registry, register their value schemas (a refused change: the registry's reason, exit 1)."""
     import dataclasses
 
+    from schemas.registry import RegistryError, SchemaRegistry
     from topics.admin import TopicAdminError, ensure_topics
     from topics.catalog import catalog
+    from topics.subjects import SubjectRefused, register_subjects
 
     settings = _settings(languages=languages, bootstrap=bootstrap)
     specs = [
         dataclasses.replace(s, name=settings.topic_prefix + s.name)
         for s in catalog(settings.languages, partitions)
     ]
+    url = registry if registry is not None else settings.schema_registry_url or _local_registry()
+    subjects: dict[str, str] = {}
     try:
+        if url:  # first: a refused schema change stops before any topic is made
+            client = SchemaRegistry.from_url(url, ca_file=settings.ssl_ca_location or None)
+            subjects = register_subjects(client, specs)
         outcome = ensure_topics(settings.bootstrap, specs, client_config=settings.kafka_common())
-    except TopicAdminError as exc:
+    except (TopicAdminError, RegistryError, SubjectRefused) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    for name, what in outcome.items():
+    for name, what in {**outcome, **subjects}.items():
         typer.echo(f"{name}: {what}")
+
+
+def _local_registry() -> str:
+    """The local stack's Schema Registry URL when one answers there (`tolk up`), else ""."""
+    import os
+
+    from schemas.registry import RegistryError, SchemaRegistry
+
+    port = os.environ.get("TOLK_REGISTRY_PORT", "8085")
+    url = f"http://127.0.0.1:{port}/apis/ccompat/v7"
+    try:
+        SchemaRegistry(url, timeout_s=1.0).subjects()
+    except RegistryError:
+        return ""
+    typer.echo(f"registry: {url} (the local stack's; TOLK_SCHEMA_REGISTRY_URL names another)",
+               err=True)  # fmt: skip
+    return url
 
 
 @app.command()
@@ -337,6 +381,8 @@ def worker(
     settings = _settings(
         model=model, languages=languages, bootstrap=bootstrap, metrics_port=port, arm=arm
     )
+    if not settings.schema_registry_url:  # a bot's registry-format request needs its ids
+        settings = settings.replace(schema_registry_url=_local_registry())
     logging.getLogger(__name__).info("settings: %r", settings)  # secrets masked in repr
     _check_ports_or_exit(settings)  # before the model loads, as is the broker check
     _check_broker_or_exit(settings)

@@ -161,7 +161,7 @@ def main(
     # the service's faithfulness guards, as `tolk worker` runs them (an answer still suspect
     # after a retry is withheld: an ERROR reply with the candidate in its metadata); no cache
     served = build_served_engine(
-        engine, settings, ServingOptions(faithful=True, max_new_tokens=64), base=engine
+        engine, ServingOptions.of(settings, faithful=True, max_new_tokens=64), base=engine
     )
     worker = Worker(settings, served, registry=CollectorRegistry())
     stop = threading.Event()

@@ -49,6 +49,11 @@ Environment variables (all optional):
     TOLK_SSL_CA_LOCATION      CA file that signed the broker certificate (SSL / SASL_SSL)
     TOLK_SSL_ENDPOINT_IDENTIFICATION  0 = do not check the broker's host name (default: check)
     TOLK_REDIS_PASSWORD       folded into the redis URL (`redis://:***@host...`)
+    TOLK_SCHEMA_REGISTRY_URL  a Confluent-compatible Schema Registry, e.g.
+                              http://127.0.0.1:8085/apis/ccompat/v7 (user:password@ in the URL;
+                              TLS checked against TOLK_SSL_CA_LOCATION): `tolk topics create`
+                              registers every topic's value schema there (schemas/registry.py)
+                                                               (none)
     (`compose/stack.sh` in sasl_ssl mode writes all of these into <state>/secrets/client.env;
     docs/SECURITY.md)
 """
@@ -81,6 +86,9 @@ DEFAULT_LANGUAGES: tuple[str, ...] = ("en", "de", "fr", "es", "it")
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+_URLS = ("redis_url", "schema_registry_url")  # shown masked by __repr__
 
 
 def _frozen_policies(policies: Mapping[str, LanguagePolicy]) -> Mapping[str, LanguagePolicy]:
@@ -144,6 +152,9 @@ class Settings:
     context_layout: str = DEFAULT_LAYOUT  # `--context`: the turns shown
     # (workers/stages/context/rules.py)
     cache_dir: str = ""  # TOLK_CACHE_DIR; "" = $XDG_CACHE_HOME/tolk or ~/.cache/tolk
+    # a Confluent-compatible Schema Registry (schemas/registry.py), credentials in the URL;
+    # "" = none: the built-in schemas and single-object encoding only
+    schema_registry_url: str = ""
 
     def __post_init__(self) -> None:
         if not self.languages:
@@ -190,9 +201,9 @@ class Settings:
             object.__setattr__(self, "policies", _frozen_policies(self.policies))
 
     def __repr__(self) -> str:
-        # The redis password rides in the URL: shown masked (workers/redaction.py).
+        # The redis and registry passwords ride in the URLs: shown masked (workers/redaction.py).
         fields = ", ".join(
-            f"{name}={mask_url(self.redis_url) if name == 'redis_url' else getattr(self, name)!r}"
+            f"{name}={mask_url(getattr(self, name)) if name in _URLS else getattr(self, name)!r}"
             for name in self.__dataclass_fields__
             if name != "sasl_password"
         )
@@ -266,6 +277,7 @@ class Settings:
             "SASL_PASSWORD": "sasl_password",
             "SSL_CA_LOCATION": "ssl_ca_location",
             "CACHE_DIR": "cache_dir",
+            "SCHEMA_REGISTRY_URL": "schema_registry_url",
         }
         for env_name, attr in text_fields.items():
             value = get(env_name)

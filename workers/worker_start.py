@@ -140,23 +140,21 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     )
     final = selection.config  # the translation cache keeps each weight format's answers apart
     # the stages and their order (which one sees which request): workers/serving/pipeline.py
-    served = build_served_engine(
-        engine,
+    options = ServingOptions.of(
         settings,
-        ServingOptions(
-            retriever=retriever,
-            faithful=plan.faithful,
-            faithful_policy=plan.faithful_policy,
-            max_new_tokens=max_new_tokens,
-            protect_spans=plan.protect_spans,
-            cache=settings.cache_enabled if plan.cache is None else plan.cache,
-            cache_variant=cache_variant(final),
-            drill_latency=plan.drill_latency,
-            drill_errors=plan.drill_errors,
-            context=plan.context,
-            cascade=cascade,
-        ),
+        retriever=retriever,
+        faithful=plan.faithful,
+        faithful_policy=plan.faithful_policy,
+        max_new_tokens=max_new_tokens,
+        protect_spans=plan.protect_spans,
+        cache=settings.cache_enabled if plan.cache is None else plan.cache,
+        cache_variant=cache_variant(final),
+        drill_latency=plan.drill_latency,
+        drill_errors=plan.drill_errors,
+        context=plan.context,
+        cascade=cascade,
     )
+    served = build_served_engine(engine, options)
     tuner = None
     if plan.auto and plan.resolved_device == "cpu" and (choice.pending_probe or choice.figures):
         tuner = _start_tuner(engine.engine, served, choice, settings, plan, root, tightest_slo)

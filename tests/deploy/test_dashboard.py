@@ -212,13 +212,14 @@ def test_every_panel_returns_data_after_a_short_load(
     # model, every answer deferred (a total log-probability is never above 0)
     large = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, max_new_tokens=MAX_NEW_TOKENS))
     defer_all = CascadeThresholds("smollm2-135m", "smollm2-135m", "small_total", {}, pooled=0.0)
-    options = ServingOptions(
+    options = ServingOptions.of(
+        settings,
         faithful=False,
         cache=True,
         cache_variant=f"test={uuid.uuid4().hex[:8]}",
         cascade=CascadeSetup(large, defer_all),
     )
-    engine = build_served_engine(fair, settings, options, base=fair.engine)
+    engine = build_served_engine(fair, options, base=fair.engine)
     worker = Worker(settings, engine, registry=CollectorRegistry())
     thread = worker.run_in_thread()
     try:

@@ -27,15 +27,32 @@ def test_partial_last_line_is_ignored_and_cut(tmp_path):
     assert [json.loads(line)["request_id"] for line in lines] == ["r1", "r3"]
 
 
-def test_reply_offsets_continue_after_the_highest_seen():
-    replies = [
-        {"partition": 0, "offset": 4},
-        {"partition": 0, "offset": 2},
-        {"partition": 1, "offset": 0},
-        {"request_id": "no offset"},
-    ]
+def test_reply_offsets_continue_after_the_highest_seen(tmp_path):
+    with rd.JsonlWriter(tmp_path / rd.REPLIES) as out:
+        for line in (
+            {"request_id": "a", "partition": 0, "offset": 4},
+            {"request_id": "b", "partition": 0, "offset": 2},
+            {"request_id": "c", "partition": 1, "offset": 0},
+            {"request_id": "no offset"},
+            {"partition": 1, "offset": 7},  # no request id: skipped like a broken line
+        ):
+            out.write(line)
+    replies = rd.read_replies(tmp_path)
+    assert [r.request_id for r in replies] == ["a", "b", "c", "no offset"]
     assert rd.reply_offsets(replies) == {0: 5, 1: 1}
     assert rd.reply_offsets([]) == {}
+
+
+def test_sent_and_reply_lines_round_trip_and_old_lines_read_with_defaults(tmp_path):
+    sent = rd.SentLine(request_id="r1", target_lang="de", text="hi", reference="hallo", sent_ms=5.0)
+    reply = rd.ReplyLine(request_id="r1", arm="A", status="OK", text="hallo", metadata={"k": "v"})
+    with rd.JsonlWriter(tmp_path / rd.REQUESTS) as out:
+        out.write(sent.to_json())
+        out.write({"request_id": "r0", "future_field": 1})  # older or newer versions' lines
+    with rd.JsonlWriter(tmp_path / rd.REPLIES) as out:
+        out.write(reply.to_json())
+    assert rd.read_sent(tmp_path) == [sent, rd.SentLine(request_id="r0")]
+    assert rd.read_replies(tmp_path) == [reply]
 
 
 def test_run_info_round_trip_and_errors(tmp_path):

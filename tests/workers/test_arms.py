@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from schemas.wire import WireRequest
 from workers.arms import (
     DEFAULT_LANGUAGE,
     MIRROR_METADATA_KEY,
@@ -27,18 +28,20 @@ from workers.arms import (
 KEYS = [f"conv-{i:05d}" for i in range(20_000)]
 
 
-def request(**kw: Any) -> dict[str, Any]:
+def request(**kw: Any) -> WireRequest:
     base: dict[str, Any] = {
         "request_id": "r-1",
         "conversation_id": "conv-1",
-        "model_version": None,
-        "metadata": {},
+        "source_lang": "en",
+        "target_lang": "de",
+        "text": "x",
+        "created_at": 0,
+        "reply_topic": "tolk.replies",
     }
-    base.update(kw)
-    return base
+    return WireRequest(**{**base, **kw})
 
 
-def arms_serving(req: dict[str, Any], table: ShareTable, arms=("A", "B"), lang="de") -> set[str]:
+def arms_serving(req: WireRequest, table: ShareTable, arms=("A", "B"), lang="de") -> set[str]:
     return {a for a in arms if route_request(req, arm=a, lang=lang, table=table).serve}
 
 
@@ -119,16 +122,16 @@ def test_shares_route_each_request_to_exactly_one_arm():
 def test_routing_key_is_conversation_then_request_then_record_key():
     assert routing_key(request(conversation_id="c", request_id="r")) == "c"
     assert routing_key(request(conversation_id=None, request_id="r")) == "r"
-    assert routing_key({}, b"k-1") == "k-1"
-    assert routing_key({}) == ""
+    assert routing_key(None, b"k-1") == "k-1"
+    assert routing_key(None) == ""
     table = ShareTable({"de": {"A": 50.0, "B": 50.0}})
     k = key_with_bucket(0, 50)  # A's half
     assert arms_serving(request(conversation_id=None, request_id=k), table) == {"A"}
-    # an undecodable record ({} as request) is routed by its key like its request would be
+    # an undecodable record (None as request) is routed by its key like its request would be
     undecodable = {
         a
         for a in "AB"
-        if route_request({}, arm=a, lang="de", table=table, record_key=k.encode()).serve
+        if route_request(None, arm=a, lang="de", table=table, record_key=k.encode()).serve
     }
     assert undecodable == {"A"}
 

@@ -237,13 +237,11 @@ def test_the_fingerprint_names_model_stages_and_variant() -> None:
         "gemma3-270m|ProtectedSpansEngine>FakeEngine|arm=B"
     )
     # as the builder composes `tolk worker --protect-spans --arm B`: the stages below the cache
-    options = ServingOptions(
-        protect_spans=True, cache=True, cache_variant="quantize=int8",
+    options = ServingOptions.of(
+        Settings(arm="B"), protect_spans=True, cache=True, cache_variant="quantize=int8",
         cache_l2=InMemoryTranslationCache(),
     )  # fmt: skip
-    served = build_served_engine(
-        FakeEngine(model_version="gemma3-270m"), Settings(arm="B"), options
-    )
+    served = build_served_engine(FakeEngine(model_version="gemma3-270m"), options)
     assert served.stage("cache").fingerprint == (
         "gemma3-270m|ProtectedSpansEngine>FaithfulEngine>FakeEngine|arm=B,quantize=int8"
     )
@@ -252,9 +250,15 @@ def test_the_fingerprint_names_model_stages_and_variant() -> None:
 def test_two_arms_never_share_entries() -> None:
     shared = InMemoryTranslationCache()
     settings = Settings(metrics_port=0)
-    options = ServingOptions(faithful=False, cache=True, cache_l2=shared)
-    a = build_served_engine(FakeEngine(), settings.replace(arm="A"), options).stage("cache")
-    b = build_served_engine(FakeEngine(), settings.replace(arm="B"), options).stage("cache")
+    a, b = (
+        build_served_engine(
+            FakeEngine(),
+            ServingOptions.of(
+                settings.replace(arm=arm), faithful=False, cache=True, cache_l2=shared
+            ),
+        ).stage("cache")
+        for arm in ("A", "B")
+    )
     for e in (a, b):
         e.start()
     try:

@@ -279,8 +279,8 @@ def test_the_served_large_engine_yields_to_the_small_ones_unfinished_work() -> N
     from workers.settings import Settings
 
     small, large = Yielding(lambda _r: (GOOD_DE, FinishReason.STOP)), Yielding(_large().answer)
-    options = ServingOptions(faithful=False, cascade=CascadeSetup(large, THRESHOLDS))
-    build_served_engine(small, Settings(), options, base=small)
+    options = ServingOptions.of(Settings(), faithful=False, cascade=CascadeSetup(large, THRESHOLDS))
+    build_served_engine(small, options, base=small)
     assert large.yields_to is not None and small.yields_to is None
     assert large.yields_to() is False
     small.unfinished = True
@@ -346,8 +346,8 @@ def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> N
     fair.engine.warm(["de", "en"])
     assert fair.admission._typical_batch() == 1  # the warm-up's requests: forgotten
     own = CascadeThresholds("gemma3-270m", "large", "small_total", {}, pooled=-1e9)  # keep all
-    options = ServingOptions(faithful=False, cascade=CascadeSetup(_large(), own))
-    served = build_served_engine(fair, Settings(), options, base=fair.engine)
+    options = ServingOptions.of(Settings(), faithful=False, cascade=CascadeSetup(_large(), own))
+    served = build_served_engine(fair, options, base=fair.engine)
     stage = served.stage("cascade")
     assert isinstance(stage.scorer, FairScoring)
     served.start()

@@ -395,11 +395,11 @@ def test_cache_never_answers_a_contextual_turn_and_keeps_only_context_free_ones(
     engine = FakeEngine()
     engine.start()
     settings = Settings(languages=("en", "de"), context_tokens=500)
-    options = ServingOptions(
-        faithful=False, cache=True, cache_l2=InMemoryTranslationCache(), context=True
+    options = ServingOptions.of(
+        settings, faithful=False, cache=True, cache_l2=InMemoryTranslationCache(), context=True
     )  # the builder's order: context around the cache, contextual turns around it
     base = SimpleNamespace(prompts=gemma_prompts)
-    served = build_served_engine(engine, settings, options, base=base)
+    served = build_served_engine(engine, options, base=base)
     ctx = served.stage("context")
     served.start()
     try:
@@ -441,8 +441,8 @@ def test_worker_hands_the_conversation_id_to_a_context_engine(gemma_prompts: Pro
 
     engine = FakeEngine()
     base = SimpleNamespace(prompts=gemma_prompts)
-    options = ServingOptions(faithful=False, context=True)
-    served = build_served_engine(engine, Settings(context_tokens=500), options, base=base)
+    options = ServingOptions.of(Settings(context_tokens=500), faithful=False, context=True)
+    served = build_served_engine(engine, options, base=base)
     ctx = served.stage("context")
     rig = make_rig(engine=served)
 

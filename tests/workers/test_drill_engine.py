@@ -57,7 +57,7 @@ def test_error_drill_hits_the_same_fraction_of_requests_every_time() -> None:
 
 def test_no_drill_flag_means_no_wrapper_and_bad_specs_are_refused() -> None:
     inner = FakeEngine()
-    served = build_served_engine(inner, Settings(), ServingOptions(faithful=False))
+    served = build_served_engine(inner, ServingOptions.of(Settings(), faithful=False))
     assert served.entry is inner and "drill" not in served.stages
     for kind, spec in (
         ("latency", "de:1.0"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import decode_result, encode_result
+from schemas.wire import ResultTimings, WireRequest, WireResult, read_result, write_result
 from workers import reply_metadata
 from workers.client.types import TranslationReply
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
@@ -30,6 +30,9 @@ from workers.stages.faithful.stage import (
     FaithfulEngine,
 )
 
+REQUEST_R1 = WireRequest(
+    request_id="r1", source_lang="en", target_lang="de", text="x", created_at=0, reply_topic="r"
+)
 PATIENCE_DE = "Vielen Dank für Ihre Geduld. Ihr Ersatzgerät wird morgen verschickt."
 # 2 x source words + 3 output tokens for en-de in the test table
 CAPS = LengthCaps({"scripted": {"en-de": {"slope": 2.0, "intercept": 3.0}}})
@@ -186,13 +189,11 @@ def test_counters_and_the_reply_metadata() -> None:
     assert metrics.faithful_outcomes_total.labels(lang="de", outcome="flagged")._value.get() == 1
     # the reply keeps the guard's finer finish reason over the plain `length`
     assert FINISH_REASON_KEY == REPLIES_FINISH_REASON_KEY
-    rec = ConsumedRecord(
-        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
-    )
+    rec = ConsumedRecord(("tolk.requests.de", 0), 0, None, b"", "de", 0, REQUEST_R1)
     inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
     reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
-    assert reply["metadata"][REPLIES_FINISH_REASON_KEY] == GUARD_REASON
-    assert reply["metadata"][NOTE_KEY] == "flagged"
+    assert reply.metadata[REPLIES_FINISH_REASON_KEY] == GUARD_REASON
+    assert reply.metadata[NOTE_KEY] == "flagged"
 
 
 def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candidate() -> None:
@@ -215,16 +216,14 @@ def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candida
     assert metrics.faithful_outcomes_total.labels(lang="de", outcome="withheld")._value.get() == 1
     # not an engine failure: the worker neither runs it again nor dead-letters it; not cached
     assert not result.ok and not is_failed_run(result) and not is_cacheable(result)
-    rec = ConsumedRecord(
-        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
-    )
+    rec = ConsumedRecord(("tolk.requests.de", 0), 0, None, b"", "de", 0, REQUEST_R1)
     inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
     reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
-    assert reply["status"] == "ERROR" and reply["text"] == ""
-    assert reply["error"].startswith("unfaithful translation withheld: ratio")
-    assert reply["metadata"][CANDIDATE_KEY] == "Ich habe eine kleine Einlegen, wie es gibt."
+    assert reply.status == "ERROR" and reply.text == ""
+    assert (reply.error or "").startswith("unfaithful translation withheld: ratio")
+    assert reply.metadata[CANDIDATE_KEY] == "Ich habe eine kleine Einlegen, wie es gibt."
     # through the Avro codec to the client: the reply says it was withheld and carries the text
-    client_reply = TranslationReply.from_record(decode_result(encode_result(reply)))
+    client_reply = TranslationReply.from_wire(read_result(write_result(reply)))
     assert not client_reply.ok and client_reply.status == "ERROR"
     assert client_reply.withheld == "Ich habe eine kleine Einlegen, wie es gibt."
     assert client_reply.metadata[NOTE_KEY] == "withheld"
@@ -233,12 +232,10 @@ def test_a_suspect_answer_is_withheld_by_default_with_the_reason_and_the_candida
 def test_a_sent_reply_is_not_withheld_on_the_client() -> None:
     engine, _ = make(lambda c: ("und " * 20, FinishReason.LENGTH), policy="flag")
     result = translate(engine, "I am waiting for you")
-    rec = ConsumedRecord(
-        ("tolk.requests.de", 0), 0, None, b"", "de", 0, {"request_id": "r1", "target_lang": "de"}
-    )
+    rec = ConsumedRecord(("tolk.requests.de", 0), 0, None, b"", "de", 0, REQUEST_R1)
     inflight = InFlight("r1", "de", RequestHandle("r1", lambda _rid: None), [rec], 0)
     reply = engine_reply(inflight, result, worker_id="w", model_version="scripted-1", now_ms=1)
-    client_reply = TranslationReply.from_record(decode_result(encode_result(reply)))
+    client_reply = TranslationReply.from_wire(read_result(write_result(reply)))
     assert client_reply.ok and client_reply.withheld is None
     assert client_reply.metadata[NOTE_KEY] == "flagged"
 
@@ -260,22 +257,23 @@ def test_readers_of_replies_use_the_same_keys() -> None:
     from replay.report import WITHHELD_KEY
 
     assert WITHHELD_KEY == NOTE_KEY
-    reply = TranslationReply.from_record(
-        {
-            "request_id": "r",
-            "status": "ERROR",
-            "text": "",
-            "model_version": "m",
-            "source_lang": "en",
-            "target_lang": "de",
-            "timings": {},
-            "tokens_in": 0,
-            "tokens_out": 0,
-            "cached_prefix_tokens": 0,
-            "worker_id": "w",
-            "completed_at": 0,
-            "metadata": {NOTE_KEY: "withheld", CANDIDATE_KEY: "Hallo"},
-        }
+    reply = TranslationReply.from_wire(
+        WireResult(
+            request_id="r",
+            status="ERROR",
+            text="",
+            error=None,
+            model_version="m",
+            source_lang="en",
+            target_lang="de",
+            timings=ResultTimings(),
+            tokens_in=0,
+            tokens_out=0,
+            cached_prefix_tokens=0,
+            worker_id="w",
+            completed_at=0,
+            metadata={NOTE_KEY: "withheld", CANDIDATE_KEY: "Hallo"},
+        )
     )
     assert reply.withheld == "Hallo"
 

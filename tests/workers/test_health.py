@@ -93,8 +93,8 @@ class StallableEngine:
 
 def _served(engine: Any) -> Any:
     """`engine` in the serving pipeline, its stages around it, as the worker gets it."""
-    options = ServingOptions(protect_spans=True, faithful=False)
-    return build_served_engine(engine, Settings(), options)
+    options = ServingOptions.of(Settings(), protect_spans=True, faithful=False)
+    return build_served_engine(engine, options)
 
 
 def test_the_served_engine_gives_the_engines_heartbeat_and_warm_languages() -> None:

@@ -63,10 +63,15 @@ def gemma_prompts() -> PromptBuilder:
 def _served(prompts: PromptBuilder, **options: Any) -> tuple[ServedEngine, FakeEngine]:
     engine = FakeEngine(languages=("en", "de"))
     settings = Settings(languages=("en", "de"), cache_l1_entries=100)
-    opts = ServingOptions(
-        faithful=False, cache=True, cache_l2=InMemoryTranslationCache(), context=True, **options
+    opts = ServingOptions.of(
+        settings,
+        faithful=False,
+        cache=True,
+        cache_l2=InMemoryTranslationCache(),
+        context=True,
+        **options,
     )
-    served = build_served_engine(engine, settings, opts, base=SimpleNamespace(prompts=prompts))
+    served = build_served_engine(engine, opts, base=SimpleNamespace(prompts=prompts))
     served.start()
     return served, engine
 
@@ -91,15 +96,14 @@ def test_the_declared_order() -> None:
     ]  # fmt: skip
     large = FakeEngine(model_version="large-1")
     thresholds = CascadeThresholds("s", "l", "large_logprob", {}, pooled=-1.0, defer_share=0.3)
-    options = ServingOptions(
+    options = ServingOptions.of(
+        Settings(),
         faithful=True, protect_spans=True, cache=True, cache_l2=InMemoryTranslationCache(),
         context=True, drill_errors=("de:0.5",), retriever=SimpleNamespace(key_note="tm(test)"),
         cascade=CascadeSetup(large, thresholds),
     )  # fmt: skip
     prompts = SimpleNamespace(retry_form="short_mix8", default_form="support8")
-    served = build_served_engine(
-        FakeEngine(), Settings(), options, base=SimpleNamespace(prompts=prompts)
-    )
+    served = build_served_engine(FakeEngine(), options, base=SimpleNamespace(prompts=prompts))
     assert _chain(served) == [
         "DrillEngine", "ContextEngine", "CachingEngine", "ProtectedSpansEngine",
         "FaithfulEngine", "RetrievedExamplesEngine", "CascadeEngine", "FakeEngine",
@@ -157,7 +161,7 @@ def test_a_latency_drill_delays_a_turn_with_history(gemma_prompts: PromptBuilder
 def test_no_stage_on_serves_the_engine_itself() -> None:
     engine = FakeEngine(languages=("en", "de"))
     served = build_served_engine(
-        engine, Settings(languages=("en", "de")), ServingOptions(faithful=False)
+        engine, ServingOptions.of(Settings(languages=("en", "de")), faithful=False)
     )
     assert served.entry is engine and served.stages == {}
     assert served.queue_snapshot is None  # not a fair engine: the worker's gauges skip it
@@ -192,13 +196,14 @@ def test_a_new_stage_joins_through_the_declared_list_only() -> None:
     shout = Stage("shout", lambda o: bool(o.extra.get("shout")), lambda inner, b: _shout(inner, b))
     at = [s.name for s in STAGES].index("protect_spans")  # inside the cache: hits skip it
     stages = (*STAGES[:at], shout, *STAGES[at:])
-    options = ServingOptions(
+    options = ServingOptions.of(
+        Settings(),
         faithful=False, cache=True, cache_l2=InMemoryTranslationCache(), protect_spans=True,
         extra={"shout": True},
     )  # fmt: skip
     engine = FakeEngine()
     engine.start()
-    served = build_served_engine(engine, Settings(), options, stages=stages)
+    served = build_served_engine(engine, options, stages=stages)
     try:
         assert _chain(served) == [
             "CachingEngine", "ShoutingEngine", "ProtectedSpansEngine", "FakeEngine",
@@ -215,7 +220,7 @@ def test_a_new_stage_joins_through_the_declared_list_only() -> None:
     finally:
         served.stop()
     # off unless its option says so
-    plain = build_served_engine(FakeEngine(), Settings(), ServingOptions(), stages=stages)
+    plain = build_served_engine(FakeEngine(), ServingOptions.of(Settings()), stages=stages)
     assert "shout" not in plain.stages
 
 
@@ -306,16 +311,16 @@ def test_a_switch_of_weight_format_rekeys_the_cache_and_keeps_the_arm() -> None:
     cache keys new answers by it: an int8 answer is never served as a float32 one."""
     from workers.worker_start import cache_variant
 
-    options = ServingOptions(
-        faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
+    options = ServingOptions.of(
+        Settings(arm="b"), faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
         cache_variant=cache_variant(SimpleNamespace(quantize="int8", dtype=None)),
     )  # fmt: skip
-    served = build_served_engine(FakeEngine(), Settings(arm="b"), options)
+    served = build_served_engine(FakeEngine(), options)
     before = served.stage("cache").fingerprint
     assert before.endswith("|arm=b,quantize=int8")
     served.set_cache_variant(cache_variant(SimpleNamespace(quantize=None, dtype="bfloat16")))
     after = served.stage("cache").fingerprint
     assert after == before.replace("quantize=int8", "quantize=,dtype=bfloat16")
-    build_served_engine(FakeEngine(), Settings(), ServingOptions(cache=False)).set_cache_variant(
+    build_served_engine(FakeEngine(), ServingOptions.of(Settings())).set_cache_variant(
         "quantize=int8"
     )  # no cache stage: nothing to rekey

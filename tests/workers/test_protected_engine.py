@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import decode_result, encode_result
+from schemas.wire import WireRequest, read_result, write_result
 from tests.workers.fakes import FakeEngine, fake_translation
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, TranslationRequest
 from workers.kafka.records import ConsumedRecord, InFlight
@@ -213,13 +213,14 @@ def test_notes_reach_the_reply_metadata_and_the_wire() -> None:
         key=b"k",
         value=b"",
         lang="de",
-        request={
-            "request_id": "r9",
-            "source_lang": "en",
-            "target_lang": "de",
-            "text": TEXT,
-            "reply_topic": "tolk.replies",
-        },
+        request=WireRequest(
+            request_id="r9",
+            source_lang="en",
+            target_lang="de",
+            text=TEXT,
+            created_at=0,
+            reply_topic="tolk.replies",
+        ),
         broker_ts_ms=1_000,
     )
     result = GenerationResult(
@@ -238,8 +239,8 @@ def test_notes_reach_the_reply_metadata_and_the_wire() -> None:
         model_version="m",
         now_ms=2_000,
     )
-    assert reply["metadata"] == {NOTE_KEY: "flagged", f"{NOTE_KEY}.spans": "2"}
-    assert decode_result(encode_result(reply))["metadata"] == reply["metadata"]
+    assert reply.metadata == {NOTE_KEY: "flagged", f"{NOTE_KEY}.spans": "2"}
+    assert read_result(write_result(reply)).metadata == reply.metadata
 
 
 def test_mask_form_follows_the_inner_model(make_engine) -> None:
@@ -256,8 +257,8 @@ def test_worker_with_protected_spans_replies_with_metadata_and_counts() -> None:
     from tests.workers.test_worker_fake_engine import make_rig, request_bytes
 
     inner = FakeEngine()
-    options = ServingOptions(faithful=False, protect_spans=True)
-    rig = make_rig(engine=build_served_engine(inner, Settings(), options))
+    options = ServingOptions.of(Settings(), faithful=False, protect_spans=True)
+    rig = make_rig(engine=build_served_engine(inner, options))
     try:
         rig.send(request_bytes("p1", TEXT), "de", key=b"p1")
         rig.send(request_bytes("p2", "no spans here"), "de", key=b"p2")

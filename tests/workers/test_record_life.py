@@ -17,7 +17,9 @@
       offsets, partitions, record_intake, records, replies, reply_publisher, reply_retry,
       results_store, retries, settings, unstored, validation, worker;
     after: 23 files -- the same less validation (its checks are `record_intake.check_request`)
-      plus record_life; `deadlines` is now `workers/engine/deadlines`.
+      plus record_life; `deadlines` is now `workers/engine/deadlines`;
+    2026-12-06: 24 -- plus schemas/wire (the request decoded once into a typed `WireRequest`,
+      the reply built as a `WireResult`: issue #46).
 
   The record's path did not get shorter: this step changed who owns the record's state, not
   how many modules serve it. Ten of the 23 are shared libraries the path calls into (schemas
@@ -37,6 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from schemas.codec import encode_request
+from schemas.wire import WireRequest
 from tests.test_architecture import ROOT, imported_modules
 from tests.workers.fakes import FakeBroker, FakeMessage, FakeProducer
 from tests.workers.polling import wait_for
@@ -102,7 +105,8 @@ def _life(**kw: Any) -> RecordLife:
 
 
 def _rec(rid: str, offset: int, **request: Any) -> ConsumedRecord:
-    req = {"request_id": rid, "target_lang": "de", "text": "hallo", **request}
+    fields = {"source_lang": "", "text": "hallo", "created_at": NOW_MS, "reply_topic": "r"}
+    req = WireRequest(request_id=rid, target_lang="de", **{**fields, **request})
     return ConsumedRecord(TP, offset, rid.encode(), b"v", "de", NOW_MS, request=req)
 
 
@@ -272,4 +276,4 @@ def test_files_one_record_enters() -> None:
     }
     assert steps <= entered, sorted(steps - entered)
     assert "workers/validation.py" not in entered
-    assert len(entered) <= 23, sorted(entered)  # 23 before and after (module notes)
+    assert len(entered) <= 24, sorted(entered)  # 24 since schemas/wire (module notes)

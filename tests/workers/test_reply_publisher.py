@@ -16,7 +16,8 @@ import pytest
 from confluent_kafka import KafkaError
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import decode_dead_letter, decode_request, decode_result, encode_request
+from schemas.codec import decode_dead_letter, decode_result, encode_request
+from schemas.wire import read_request
 from tests.workers.fakes import FakeBroker, FakeProducer
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
 from workers.engine.types import FinishReason, GenerationResult, RequestHandle, Timings
@@ -103,7 +104,7 @@ def record(rid: str, offset: int = 7, deadline: int | None = None) -> ConsumedRe
         value=value,
         lang="de",
         broker_ts_ms=NOW_MS - 400,
-        request=decode_request(value),
+        request=read_request(value),
     )
 
 

@@ -22,7 +22,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import CollectorRegistry
 
-from schemas.codec import decode_dead_letter, decode_request, decode_result, encode_request
+from schemas.codec import decode_dead_letter, decode_result, encode_request
+from schemas.wire import read_request
 from tests.workers.fakes import FakeBroker, FakeEngine, FakeProducer, fake_translation
 from tests.workers.polling import wait_for
 from topics.catalog import DEAD_LETTERS, REPLIES, request_topic
@@ -153,7 +154,7 @@ def record(rid: str, offset: int) -> ConsumedRecord:
         value=value,
         lang="de",
         broker_ts_ms=NOW_MS - 400,
-        request=decode_request(value),
+        request=read_request(value),
     )
 
 

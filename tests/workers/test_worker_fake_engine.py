@@ -512,8 +512,10 @@ def test_the_engine_gets_each_request_conversation_id() -> None:
 
     plain = make_rig()
     inner = FakeEngine()
-    options = ServingOptions(protect_spans=True, cache=True, cache_l2=InMemoryTranslationCache())
-    wrapped = make_rig(engine=build_served_engine(inner, Settings(), options))
+    options = ServingOptions.of(
+        Settings(), protect_spans=True, cache=True, cache_l2=InMemoryTranslationCache()
+    )
+    wrapped = make_rig(engine=build_served_engine(inner, options))
     try:
         for rig in (plain, wrapped):
             rig.send(request_bytes("c1", conversation_id="conv-7"), "de", key=b"c1")

@@ -48,7 +48,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Producer
 
-from schemas.codec import encode_request
+from schemas.wire import WireRequest, write_request
 from topics.catalog import REPLIES, request_topic
 from topics.cluster import KafkaConnectionError, check_broker
 from workers.client.delivery import PendingSend, RequestSender
@@ -297,19 +297,19 @@ class TranslationClient(ReplyListener):  # the reply side: workers/client/replie
             timeout = (
                 self.default_timeout if deadline_s is None else deadline_s + self.deadline_grace
             )
-        value = encode_request(
-            {
-                "request_id": rid,
-                "conversation_id": conversation_id,
-                "source_lang": src,
-                "target_lang": to,
-                "text": text,
-                "created_at": now_ms,
-                "deadline": deadline_ms,
-                "reply_topic": self.reply_topic,
-                "model_version": model_version,
-                "metadata": dict(metadata or {}),
-            }
+        value = write_request(
+            WireRequest(
+                request_id=rid,
+                conversation_id=conversation_id,
+                source_lang=src,
+                target_lang=to,
+                text=text,
+                created_at=now_ms,
+                deadline=deadline_ms,
+                reply_topic=self.reply_topic,
+                model_version=model_version,
+                metadata=dict(metadata or {}),
+            )
         )
         topic = self.topic_prefix + request_topic(to)
         fut: asyncio.Future[TranslationReply] = loop.create_future()

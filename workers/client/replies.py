@@ -34,8 +34,9 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
-from schemas.codec import SchemaError, decode_result
-from workers.client.types import TranslationError, TranslationReply
+from schemas.codec import SchemaError
+from schemas.wire import WireResult, read_result
+from workers.client.types import TranslationReply
 from workers.tracing import traceparent_of
 
 __all__ = ["ReplyListener"]
@@ -168,7 +169,7 @@ class ReplyListener:
                     log.warning("client consumer error: %s", err)
                 continue
             try:
-                record = decode_result(msg.value() or b"")
+                record = read_result(msg.value() or b"")
             except SchemaError:
                 log.debug("ignoring an undecodable record on %s", msg.topic())
                 continue
@@ -176,12 +177,9 @@ class ReplyListener:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._resolve, record, traceparent_of(msg.headers()))
 
-    def _resolve(self, record: dict[str, Any], trace_parent: str | None = None) -> None:
+    def _resolve(self, record: WireResult, trace_parent: str | None = None) -> None:
         # on the event loop
-        fut = self._pending.pop(str(record.get("request_id", "")), None)
+        fut = self._pending.pop(record.request_id, None)
         if fut is None or fut.done():
             return  # another client's reply, or one that arrived after its timeout
-        try:
-            fut.set_result(TranslationReply.from_record(record, trace_parent))
-        except (KeyError, TypeError, ValueError) as exc:
-            fut.set_exception(TranslationError(f"malformed reply: {exc!r}"))
+        fut.set_result(TranslationReply.from_wire(record, trace_parent))

@@ -10,10 +10,11 @@ and its `TranslationQueueFull` (the producer's local queue stayed full), and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from schemas.wire import WireResult
 from workers import reply_metadata
 
 __all__ = [
@@ -113,22 +114,22 @@ class TranslationReply:
         return self.metadata.get(reply_metadata.FAITHFUL_CANDIDATE, "")
 
     @classmethod
-    def from_record(cls, r: Mapping[str, Any], trace_parent: str | None = None) -> TranslationReply:
+    def from_wire(cls, r: WireResult, trace_parent: str | None = None) -> TranslationReply:
         return cls(
-            request_id=r["request_id"],
-            status=r["status"],
-            text=r["text"],
-            error=r.get("error"),
-            model_version=r["model_version"],
-            source_lang=r["source_lang"],
-            target_lang=r["target_lang"],
-            timings=dict(r["timings"]),
-            tokens_in=r["tokens_in"],
-            tokens_out=r["tokens_out"],
-            cached_prefix_tokens=r["cached_prefix_tokens"],
-            worker_id=r["worker_id"],
-            completed_at=int(r["completed_at"]),
-            conversation_id=r.get("conversation_id"),
+            request_id=r.request_id,
+            status=r.status,
+            text=r.text,
+            error=r.error,
+            model_version=r.model_version,
+            source_lang=r.source_lang,
+            target_lang=r.target_lang,
+            timings=dataclasses.asdict(r.timings),
+            tokens_in=r.tokens_in,
+            tokens_out=r.tokens_out,
+            cached_prefix_tokens=r.cached_prefix_tokens,
+            worker_id=r.worker_id,
+            completed_at=r.completed_at,
+            conversation_id=r.conversation_id,
             trace_parent=trace_parent,
-            metadata=dict(r.get("metadata") or {}),
+            metadata=dict(r.metadata),
         )

@@ -47,7 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.codec import SchemaError, decode_result
+from schemas.codec import SchemaError
+from schemas.wire import read_result
 from workers.fairness.policy import LanguagePolicy
 from workers.guard.events import RolloutBook, decision_event
 from workers.guard.metrics import GuardMetrics
@@ -115,7 +116,7 @@ class GuardCore:
         self.read_upto[partition] = max(self.read_upto.get(partition, 0), offset + 1)
         self.max_ts[partition] = max(self.max_ts.get(partition, 0), ts_ms)
         try:
-            reply = decode_result(value) if value is not None else None
+            reply = read_result(value) if value is not None else None
         except SchemaError:
             reply = None
         obs = observe(reply, record_ts_ms=ts_ms)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.wire import WireResult
 from workers.arms import split_arm, validate_arm_name
 from workers.reply_metadata import FAITHFUL
 
@@ -83,7 +84,7 @@ class Ignored:
 
 
 def observe(
-    reply: Mapping[str, Any] | None,
+    reply: WireResult | None,
     *,
     record_ts_ms: int,
     max_skew_ms: int = DEFAULT_MAX_SKEW_MS,
@@ -92,14 +93,8 @@ def observe(
     """The observation of one decoded reply (None: it did not decode), see the docstring."""
     if reply is None:
         return Ignored("malformed", "not a TranslationResult")
-    try:
-        lang = str(reply["target_lang"])
-        status = str(reply["status"])
-        model_version = str(reply["model_version"])
-        latency = float(reply["timings"]["total_ms"])
-        completed_at = int(reply["completed_at"])
-    except (KeyError, TypeError, ValueError) as exc:
-        return Ignored("malformed", f"{type(exc).__name__}: {exc}")
+    lang, status, model_version = reply.target_lang, reply.status, reply.model_version
+    latency, completed_at = reply.timings.total_ms, reply.completed_at
     if not lang or status not in STATUSES:
         return Ignored("malformed", f"target_lang {lang!r}, status {status!r}")
     _, arm = split_arm(model_version)
@@ -113,7 +108,7 @@ def observe(
         return Ignored("clock_skew", f"latency {latency!r} ms")
     if abs(completed_at - record_ts_ms) > max_skew_ms:
         return Ignored("clock_skew", f"completed_at {completed_at} vs record time {record_ts_ms}")
-    note = (reply.get("metadata") or {}).get(FAITHFUL)
+    note = reply.metadata.get(FAITHFUL)
     suspect = {"ERROR": "withheld", "OK": "flagged"}.get(status)
     return Observation(lang, arm, status, latency, suspect if suspect and note == suspect else "")
 

@@ -88,22 +88,23 @@ class EngineRuns:
         """Hand `rec`'s request to the engine: its handle, or None and an answer for every
         record in `waiting` (REJECTED / ERROR) when the engine refused it."""
         req = rec.request
+        assert req is not None, "only decoded requests are submitted (workers.kafka.intake)"
         rid = rec.request_id
         deadline = engine_deadline(
-            req.get("deadline"), now_ms=self._now_ms(), now_monotonic=time.monotonic()
+            req.deadline, now_ms=self._now_ms(), now_monotonic=time.monotonic()
         )
         policy = self.settings.policy(rec.lang)
         try:
             handle = self.engine.submit_translation(
                 TranslationRequest(
                     request_id=rid,
-                    text=str(req["text"]),
-                    source_lang=str(req.get("source_lang", "")),
-                    target_lang=str(req["target_lang"]),
+                    text=req.text,
+                    source_lang=req.source_lang,
+                    target_lang=req.target_lang,
                     deadline=deadline,
                     max_new_tokens=policy.max_new_tokens if policy else None,
                     # every stage passes it on; the context stage uses it (workers/stages/context/)
-                    conversation_id=req.get("conversation_id") or None,
+                    conversation_id=req.conversation_id or None,
                 )
             )
         except Exception as exc:

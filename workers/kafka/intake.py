@@ -33,7 +33,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from schemas.codec import SchemaError, decode_request
+from schemas.codec import SchemaError
+from schemas.wire import read_request
 from workers.engine.deadlines import ms_past_deadline_at_intake
 from workers.kafka.arm_routing import ArmRouter
 from workers.kafka.config import is_fatal
@@ -158,15 +159,14 @@ class RecordIntake:
     def _decode_and_route(self, rec: ConsumedRecord, producer: Any) -> Outcome | None:
         """Decode and check the reply topic; None when the record goes on to dispatch."""
         try:
-            rec.request = decode_request(rec.value)
+            rec.request = read_request(rec.value, self.replies.codec)
         except SchemaError as exc:  # routed by its key: one arm dead-letters it
             return DeadLetter(rec, "undecodable", exc) if self._for_this_arm(rec) else Skip(rec)
         if not self._for_this_arm(rec):
             return Skip(rec)
         if not rec.request_id:
             return DeadLetter(rec, "invalid", "request_id is empty: no reply can be correlated")
-        topic = str(rec.request.get("reply_topic", ""))
-        problem = self.replies.reply_topics.problem(producer, topic)
+        problem = self.replies.reply_topics.problem(producer, rec.reply_topic)
         if problem is not None:
             return DeadLetter(rec, "reply_topic_missing", problem)
         return None
@@ -225,9 +225,9 @@ def check_request(
     `served`; else the reply it gets: REJECTED for what will never work, EXPIRED for what came
     too late, with the metric reason naming the check. Cheapest and most basic checks first."""
     request, topic, topic_lang = rec.request, rec.tp[0], rec.lang
-    target = str(request.get("target_lang", ""))
-    source = str(request.get("source_lang", ""))
-    text = request.get("text", "")
+    if request is None:
+        raise ValueError(f"record at offset {rec.offset} was not decoded")
+    target, source, text = request.target_lang, request.source_lang, request.text
 
     def no(status: str, reason: str, error: str) -> AnswerNow:
         return AnswerNow(rec, status, reason, error)
@@ -255,7 +255,7 @@ def check_request(
     size = len(text.encode("utf-8"))
     if size > max_text_bytes:
         return no("REJECTED", "too_large", f"text is {size} bytes; the limit is {max_text_bytes}")
-    late_ms = ms_past_deadline_at_intake(request.get("deadline"), now_ms)
+    late_ms = ms_past_deadline_at_intake(request.deadline, now_ms)
     if late_ms is not None:
         return no(
             "EXPIRED",

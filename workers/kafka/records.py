@@ -11,9 +11,9 @@ runs it had (`attempts`): a failed run (ERROR) is retried up to `Settings.max_at
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from schemas.wire import WireRequest
 from workers.engine.types import GenerationResult, RequestHandle
 from workers.tracing import RequestTrace
 
@@ -30,14 +30,24 @@ class ConsumedRecord:
     value: bytes  # the raw record value (dead letters carry it byte for byte)
     lang: str  # the topic's language: the metric label and the intake bucket
     broker_ts_ms: int  # record timestamp (broker or create time); receive time if absent
-    request: dict[str, Any] = field(default_factory=dict)  # decoded TranslationRequest
+    request: WireRequest | None = None  # the decoded TranslationRequest (None: not decoded)
     generation: int = 0  # the partition's assignment generation when the record was taken
     trace_parent: str | None = None  # its W3C traceparent header (read with tracing on)
     taken_ns: int = 0  # epoch ns when the worker took it from the consumer (lags, tracing)
 
     @property
     def request_id(self) -> str:
-        return str(self.request.get("request_id", ""))
+        return self.request.request_id if self.request is not None else ""
+
+    @property
+    def registry_format(self) -> bool:
+        """Written in the Confluent wire format (a Schema Registry serializer's `00` + id)."""
+        return self.value[:1] == b"\x00"
+
+    @property
+    def reply_topic(self) -> str:
+        """Where its reply goes ("" for a record not decoded: it gets a dead letter only)."""
+        return self.request.reply_topic if self.request is not None else ""
 
 
 @dataclass(slots=True)

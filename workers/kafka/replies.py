@@ -17,9 +17,9 @@ the one rule the engine side applies too).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from schemas.codec import encode_dead_letter
+from schemas.wire import ResultTimings, WireResult
 from workers import reply_metadata
 from workers.engine.deadlines import expired_despite_ok
 from workers.engine.types import FinishReason, GenerationResult
@@ -62,33 +62,33 @@ def result_record(
     text: str,
     error: str | None,
     model_version: str,
-    timings: dict[str, float],
+    timings: ResultTimings,
     tokens_in: int,
     tokens_out: int,
     cached: int,
     now_ms: int,
     metadata: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """A TranslationResult (as a dict for `schemas.codec.encode_result`) answering `rec`;
+) -> WireResult:
+    """The TranslationResult answering `rec` (encoded by `schemas.wire.write_result`);
     `metadata`: tags about how it was made (the engine result's `notes`)."""
     req = rec.request
-    return {
-        "request_id": rec.request_id,
-        "status": status,
-        "text": text,
-        "error": error,
-        "model_version": model_version,
-        "source_lang": str(req.get("source_lang", "")),
-        "target_lang": str(req.get("target_lang", "")),
-        "timings": timings,
-        "tokens_in": int(tokens_in),
-        "tokens_out": int(tokens_out),
-        "cached_prefix_tokens": int(cached),
-        "worker_id": worker_id,
-        "completed_at": now_ms,
-        "conversation_id": req.get("conversation_id"),
-        "metadata": {str(k): str(v) for k, v in (metadata or {}).items()},
-    }
+    return WireResult(
+        request_id=rec.request_id,
+        status=status,
+        text=text,
+        error=error,
+        model_version=model_version,
+        source_lang=req.source_lang if req is not None else "",
+        target_lang=req.target_lang if req is not None else "",
+        timings=timings,
+        tokens_in=int(tokens_in),
+        tokens_out=int(tokens_out),
+        cached_prefix_tokens=int(cached),
+        worker_id=worker_id,
+        completed_at=now_ms,
+        conversation_id=req.conversation_id if req is not None else None,
+        metadata={str(k): str(v) for k, v in (metadata or {}).items()},
+    )
 
 
 def engine_reply(
@@ -98,7 +98,7 @@ def engine_reply(
     worker_id: str,
     model_version: str,
     now_ms: int,
-) -> dict[str, Any]:
+) -> WireResult:
     """The reply to the first record of `inflight` from the engine's result."""
     status = STATUS_OF.get(result.finish_reason, "ERROR")
     first = inflight.records[0]
@@ -106,7 +106,7 @@ def engine_reply(
     # Broker timestamp -> handed to the engine -> admitted by its scheduler.
     queue_ms = max(0, inflight.submitted_ms - first.broker_ts_ms) + 1e3 * result.timings.queue_s
     error = None
-    late_error = expired_despite_ok(first.request.get("deadline"), now_ms)
+    late_error = expired_despite_ok(first.request.deadline if first.request else None, now_ms)
     if status == "OK" and late_error is not None:
         status, error = "EXPIRED", late_error  # never an OK after the deadline
     elif status != "OK":
@@ -118,12 +118,12 @@ def engine_reply(
         text=result.text if status == "OK" else "",
         error=error,
         model_version=model_version,
-        timings={
-            "queue_ms": float(min(queue_ms, total_ms)),
-            "prefill_ms": result.timings.prefill_s * 1e3,
-            "decode_ms": result.timings.decode_s * 1e3,
-            "total_ms": total_ms,
-        },
+        timings=ResultTimings(
+            queue_ms=float(min(queue_ms, total_ms)),
+            prefill_ms=result.timings.prefill_s * 1e3,
+            decode_ms=result.timings.decode_s * 1e3,
+            total_ms=total_ms,
+        ),
         tokens_in=result.tokens_in,
         tokens_out=result.tokens_out,
         cached=result.cached_tokens,
@@ -149,7 +149,7 @@ def plain_reply(
     error: str,
     now_ms: int,
     model_version: str = "",
-) -> dict[str, Any]:
+) -> WireResult:
     """A reply without a translation (REJECTED / EXPIRED / ERROR before the engine ran);
     `model_version` is "" (no engine ran), or `"@<arm>"` from an arm's worker."""
     total = broker_to_now_ms(rec, now_ms)
@@ -160,7 +160,7 @@ def plain_reply(
         text="",
         error=error,
         model_version=model_version,
-        timings={"queue_ms": total, "prefill_ms": 0.0, "decode_ms": 0.0, "total_ms": total},
+        timings=ResultTimings(queue_ms=total, total_ms=total),
         tokens_in=0,
         tokens_out=0,
         cached=0,

@@ -44,51 +44,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from schemas.codec import encode_result
-from topics.catalog import DEAD_LETTERS
+from schemas.codec import SchemaError
+from schemas.registry import value_subject
+from schemas.wire import WireResult, write_result
 from workers.engine.types import FinishReason, GenerationResult
-from workers.fairness.policy import LanguagePolicy
 from workers.kafka.config import ReplyTopicChecker
 from workers.kafka.records import ConsumedRecord, InFlight, request_trace
 from workers.kafka.replies import broker_to_now_ms, dead_letter_value, engine_reply, plain_reply
+from workers.kafka.reply_config import DEFAULT_REPLY_ATTEMPTS, ReplyConfig
 from workers.kafka.reply_retry import Deliveries, Outgoing
 from workers.metrics import WorkerMetrics
-from workers.settings import Settings
 from workers.store.results import ResultStore, ResultStoreError
 from workers.store.unstored import UnstoredResults
 from workers.tracing import RequestTracer
 
-__all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyConfig", "ReplyPublisher"]
+__all__ = ["DEFAULT_REPLY_ATTEMPTS", "ReplyConfig", "ReplyPublisher"]  # the first two: reply_config
 
 log = logging.getLogger(__name__)
 
 TOKEN_RATE_WINDOW_S = 5.0  # the tokens-per-second gauge averages over this window
-DEFAULT_REPLY_ATTEMPTS = 5  # deliveries of a reply tried before it becomes a dead letter
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyConfig:
-    """What the worker's settings say about its replies (`from_settings`)."""
-
-    dead_letter_topic: str
-    worker_id: str
-    policies: Mapping[str, LanguagePolicy] = field(default_factory=dict)  # SLO of OK replies
-    reply_attempts: int = DEFAULT_REPLY_ATTEMPTS  # deliveries tried before a dead letter
-    plain_model_version: str = ""  # of replies without the engine: "" or "@<arm>"
-
-    @classmethod
-    def from_settings(cls, settings: Settings, plain_model_version: str = "") -> ReplyConfig:
-        return cls(
-            dead_letter_topic=settings.topic_prefix + DEAD_LETTERS,
-            worker_id=settings.worker_id,
-            policies=settings.policies,
-            reply_attempts=settings.reply_attempts,
-            plain_model_version=plain_model_version,
-        )
 
 
 class ReplyPublisher:
@@ -119,6 +96,7 @@ class ReplyPublisher:
         self._mark_done = mark_done
         self._now_ms = clock_ms
         self._plain_model_version = config.plain_model_version
+        self.codec = config.codec  # also the intake's decoder
         self._tracer = tracer  # records each reply's spans (workers/tracing.py); None = off
         self._answered: dict[str, bytes] = {}  # not yet delivered (or retrying): rid -> bytes
         self._tokens_window: deque[tuple[float, int]] = deque()  # (monotonic s, tokens out)
@@ -200,24 +178,24 @@ class ReplyPublisher:
             model_version=model_version,
             now_ms=self._now_ms(),
         )
-        status, timings, m = reply["status"], reply["timings"], self.metrics
+        status, timings, m = reply.status, reply.timings, self.metrics
         withheld = result.finish_reason is FinishReason.WITHHELD  # quality, not a service error
         m.requests_total.labels(lang=lang, status="WITHHELD" if withheld else status).inc()
         if status != "OK" and not withheld:
             m.errors_total.labels(lang=lang, reason=f"engine_{result.finish_reason.value}").inc()
         m.tokens_generated_total.labels(lang=lang).inc(result.tokens_out)
         self._tokens_window.append((time.monotonic(), result.tokens_out))
-        m.queue_seconds.labels(lang=lang).observe(max(0.0, timings["queue_ms"]) / 1e3)
-        m.e2e_latency_seconds.labels(lang=lang).observe(timings["total_ms"] / 1e3)
+        m.queue_seconds.labels(lang=lang).observe(max(0.0, timings.queue_ms) / 1e3)
+        m.e2e_latency_seconds.labels(lang=lang).observe(timings.total_ms / 1e3)
         if status == "OK":
             policy = self._policies.get(lang)
             slo_s = policy.slo_p99_s if policy is not None else None
-            m.observe_slo(lang, timings["total_ms"] / 1e3, slo_s)
+            m.observe_slo(lang, timings.total_ms / 1e3, slo_s)
         first = inflight.records[0]
         if first.taken_ns and inflight.submitted_ns and _scheduled(result):
             lag_s = (inflight.submitted_ns - first.taken_ns) / 1e9 + result.timings.queue_s
             m.observe_lag("consume_to_schedule", lang, lag_s)
-        value = encode_result(reply)
+        value = self.wire_value(first, reply)
         for i, rec in enumerate(inflight.records):
             self.produce_reply(
                 rec,
@@ -249,7 +227,7 @@ class ReplyPublisher:
         self.metrics.e2e_latency_seconds.labels(lang=rec.lang).observe(
             broker_to_now_ms(rec, now_ms) / 1e3
         )
-        self.produce_reply(rec, encode_result(reply), store=True, status=status)
+        self.produce_reply(rec, self.wire_value(rec, reply), store=True, status=status)
 
     def produce_reply(
         self,
@@ -267,7 +245,7 @@ class ReplyPublisher:
         on, the reply carries its request span, recorded on delivery (`engine`: the run that
         made it, for the queue / prefill / decode spans)."""
         rid = rec.request_id
-        topic = str(rec.request.get("reply_topic", ""))
+        topic = rec.reply_topic
         if store:
             self._answered[rid] = value
         entry = Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=store)
@@ -277,6 +255,21 @@ class ReplyPublisher:
             span, entry.headers = self._tracer.reply_headers(req)
             entry.trace = (span, req)
         self._send(entry)
+
+    def wire_value(self, rec: ConsumedRecord, reply: WireResult) -> bytes:
+        """The reply's bytes in the format of `rec`'s request: a request in the Confluent wire
+        format (a registry serializer wrote it) is answered in it, with the id the registry
+        holds under the reply topic's subject; any other in single-object encoding. A registry
+        that cannot give the id (down, subject missing) gets the reply out anyway, in
+        single-object encoding, with a warning and `tolk_worker_errors_total{reason="registry"}`:
+        the answer is never held back by the registry."""
+        if rec.registry_format:
+            try:
+                return write_result(reply, self.codec, subject=value_subject(rec.reply_topic))
+            except SchemaError as exc:
+                log.warning("reply %s in single-object encoding: %s", rec.request_id, exc)
+                self.metrics.errors_total.labels(lang=rec.lang, reason="registry").inc()
+        return write_result(reply, self.codec)
 
     def _store(self, rec: ConsumedRecord, value: bytes) -> None:
         try:
@@ -304,9 +297,9 @@ class ReplyPublisher:
         self.metrics.requests_total.labels(lang=rec.lang, status="ERROR").inc()
         self.metrics.errors_total.labels(lang=rec.lang, reason=reason).inc()
         rid = rec.request_id
-        value = encode_result(reply)
+        value = self.wire_value(rec, reply)
         self._answered[rid] = value
-        topic = str(rec.request.get("reply_topic", ""))
+        topic = rec.reply_topic
         reply_entry = Outgoing("reply", rec, topic, rid.encode("utf-8"), value, store=True)
         self.dead_letter(rec, reason, error, then=reply_entry)
 

@@ -4,8 +4,9 @@ around the fair engine, in the order of `STAGES`.
 Each stage is a `TranslationEngine` that wraps the one inside it (workers/stages/wrapper.py)
 and changes how a request (`workers.engine.types.TranslationRequest`) is submitted or
 answered. Their order is part of what each one means, so it is declared here, once; `tolk
-worker`, `tolk demo`, the benchmarks and the tests only choose which are on
-(`ServingOptions`). From the outside in:
+worker`, `tolk demo`, the benchmarks and the tests only choose which are on and with what
+(`ServingOptions`, one frozen tree with a section per stage: workers/serving/options.py; each
+factory below reads its own section). From the outside in:
 
 1. drills (`--drill-inject-latency|errors`, workers/stages/drill/stage.py): outermost, so that every
    reply of the arm is drilled as the flag says: cache hits, and contextual turns, which go
@@ -41,19 +42,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.engine.types import (
     GenerationRequest,
     RequestHandle,
+    RequestQueue,
     TranslationEngine,
     TranslationRequest,
 )
 from workers.serving.fair_engine import FairEngine
+from workers.serving.options import (
+    CacheOptions,
+    ContextOptions,
+    DrillOptions,
+    FaithfulOptions,
+    ServingOptions,
+)
 from workers.stages.wrapper import EngineWrapper
+
+if TYPE_CHECKING:
+    from workers.engine.autoconfig import ConfigReport
+    from workers.engine.prompts import PromptBuilder
+    from workers.metrics_stages import StageMetrics
 
 __all__ = [
     "STAGES",
+    "CacheOptions",
+    "ContextOptions",
+    "DrillOptions",
+    "FaithfulOptions",
     "ServedEngine",
     "ServingOptions",
     "Stage",
@@ -61,34 +79,14 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class ServingOptions:
-    """Which stages are on (`tolk worker`'s flags), and their parameters."""
-
-    retriever: Any = None  # a phrase-index retriever (--tm-examples), None = off
-    faithful: bool = True
-    faithful_policy: str = "withhold"
-    max_new_tokens: int = 256  # the faithfulness length guard's default cap
-    protect_spans: bool = False
-    cache: bool = False
-    cache_variant: str = ""  # part of the cache's fingerprint (e.g. the quantization)
-    cache_l2: Any = None  # the cache's L2 store (None: the Redis of `settings`; tests)
-    drill_latency: Sequence[str] = ()
-    drill_errors: Sequence[str] = ()
-    context: bool = False
-    cascade: Any = None  # workers.stages.cascade.stage.CascadeSetup (--cascade), None = off
-    extra: dict[str, Any] = field(default_factory=dict)  # options of a stage added to `STAGES`
-
-
 @dataclass(slots=True)
 class Build:
     """What a stage's factory gets besides the engine it wraps."""
 
-    settings: Any  # workers.settings.Settings (cache and context parameters, the arm)
     options: ServingOptions
     core: TranslationEngine  # the fair engine (or a test's engine)
-    prompts: Any  # the engine's prompt builder (None for an engine without one)
-    base: Any = None  # the Engine that builds the prompts (None for a test's engine)
+    prompts: PromptBuilder | None  # the engine's prompt builder (None for an engine without one)
+    base: object = None  # the Engine that builds the prompts (None for a test's engine)
     below: dict[str, TranslationEngine] = field(default_factory=dict)  # stage -> what it wraps
     layers: list[TranslationEngine] = field(default_factory=list)  # built so far, inside out
 
@@ -105,7 +103,7 @@ class Stage:
 def _drills(inner: TranslationEngine, b: Build) -> TranslationEngine:
     from workers.stages.drill.stage import DrillEngine, parse_drill
 
-    latency, errors = b.options.drill_latency, b.options.drill_errors
+    latency, errors = b.options.drill.latency, b.options.drill.errors
     faults = [parse_drill("latency", s) for s in latency] + [
         parse_drill("error", s) for s in errors
     ]
@@ -118,8 +116,8 @@ def _context(inner: TranslationEngine, b: Build) -> TranslationEngine:
 
     if b.prompts is None:
         raise ValueError("conversation context needs the engine's prompt builder")
-    s = b.settings
-    memory = ConversationMemory(s.context_tokens, idle_s=s.context_idle_s, layout=s.context_layout)
+    c = b.options.context
+    memory = ConversationMemory(c.tokens, idle_s=c.idle_s, layout=c.layout)
     # a turn with history goes around the cache: to what the cache wraps, if it is on
     uncached = b.below.get("cache", inner)
     return ContextEngine(inner, prompts=b.prompts, memory=memory, uncached=uncached)
@@ -130,21 +128,22 @@ def _cache(inner: TranslationEngine, b: Build) -> TranslationEngine:
     from workers.stages.cache.redis_l2 import RedisTranslationCache
     from workers.stages.cache.stage import CachingEngine, engine_fingerprint
 
-    s, o = b.settings, b.options
-    l2 = o.cache_l2
+    c = b.options.cache
+    timeout_s, patience_s = c.timeouts_s
+    l2 = c.l2
     if l2 is None:
-        l2 = RedisTranslationCache(s.redis_url, s.cache_ttl, socket_timeout_s=s.store_timeout_s)
-    arm = f"arm={s.arm}" if s.arm else ""
-    variant = ",".join(v for v in (arm, o.cache_variant) if v)
+        l2 = RedisTranslationCache(c.redis_url, c.ttl, socket_timeout_s=timeout_s)
+    arm = f"arm={c.arm}" if c.arm else ""
+    variant = ",".join(v for v in (arm, c.variant) if v)
     return CachingEngine(
         inner,
-        l1_capacity=s.cache_l1_entries,
-        l1_shares={lang: 1.0 for lang in s.languages},
+        l1_capacity=c.l1_entries,
+        l1_shares={lang: 1.0 for lang in c.languages},
         l2=l2,
         prompt_set_version=prompt_set_version(),
         fingerprint=engine_fingerprint(inner.model_version, b.layers[::-1], variant),
         prompt_form=b.prompts.default_form if b.prompts is not None else "",
-        l2_patience_s=s.store_patience_s,
+        l2_patience_s=patience_s,
     )
 
 
@@ -158,18 +157,17 @@ def _faithful(inner: TranslationEngine, b: Build) -> TranslationEngine:
     from workers.stages.faithful.stage import FaithfulEngine
 
     retry_form = b.prompts.retry_form if b.prompts is not None else None
+    f = b.options.faithful
     return FaithfulEngine(
-        inner,
-        policy=b.options.faithful_policy,
-        default_max_new_tokens=b.options.max_new_tokens,
-        retry_form=retry_form,
+        inner, policy=f.policy, default_max_new_tokens=f.max_new_tokens, retry_form=retry_form
     )
 
 
 def _examples(inner: TranslationEngine, b: Build) -> TranslationEngine:
     from workers.stages.examples.stage import RetrievedExamplesEngine
 
-    return RetrievedExamplesEngine(inner, b.options.retriever)
+    assert b.options.examples is not None  # `wanted` says so
+    return RetrievedExamplesEngine(inner, b.options.examples)
 
 
 def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
@@ -177,7 +175,8 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
     from workers.stages.cascade.stage import CascadeEngine
 
     setup = b.options.cascade
-    scorer: Any = b.base if hasattr(b.base, "score_request") else None  # the small model's Engine
+    assert setup is not None  # `wanted` says so
+    scorer = getattr(b.base, "score_request", None)  # the small model's Engine's
     if hasattr(b.base, "has_unfinished") and hasattr(setup.large, "yields_to"):
         # the large model steps only while the small one has nothing to do: the small answers
         # (most requests) never share the cores with a 1.5B step; a deferred run waits for
@@ -185,7 +184,7 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
         setup.large.yields_to = b.base.has_unfinished
     charge = None
     if isinstance(b.core, FairEngine):  # score and charge through the small model's fair share
-        scorer = FairScoring(scorer.score_request, b.core.submit) if scorer is not None else None
+        scorer = FairScoring(scorer, b.core.submit) if scorer is not None else None
         charge = _queue_charge(b.core.queue)
     return CascadeEngine(
         inner,
@@ -196,7 +195,7 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
     )
 
 
-def _queue_charge(queue: Any) -> Callable[[str, int, int], None]:
+def _queue_charge(queue: RequestQueue) -> Callable[[str, int, int], None]:
     """`queue.charge` by language (the fair queue charges a request's group)."""
 
     def charge(lang: str, prefill_tokens: int, output_tokens: int) -> None:
@@ -208,12 +207,12 @@ def _queue_charge(queue: Any) -> Callable[[str, int, int], None]:
 
 # The order, from the outside in (module notes): the one list.
 STAGES: tuple[Stage, ...] = (
-    Stage("drill", lambda o: bool(o.drill_latency or o.drill_errors), _drills),
-    Stage("context", lambda o: o.context, _context),
-    Stage("cache", lambda o: o.cache, _cache),
+    Stage("drill", lambda o: bool(o.drill.latency or o.drill.errors), _drills),
+    Stage("context", lambda o: o.context.on, _context),
+    Stage("cache", lambda o: o.cache.on, _cache),
     Stage("protect_spans", lambda o: o.protect_spans, _protect_spans),
-    Stage("faithful", lambda o: o.faithful, _faithful),
-    Stage("examples", lambda o: o.retriever is not None, _examples),
+    Stage("faithful", lambda o: o.faithful.on, _faithful),
+    Stage("examples", lambda o: o.examples is not None, _examples),
     Stage("cascade", lambda o: o.cascade is not None, _cascade),
 )
 
@@ -227,7 +226,7 @@ class ServedEngine(EngineWrapper):
         self,
         entry: TranslationEngine,
         core: TranslationEngine,
-        base: Any,
+        base: object,
         stages: dict[str, TranslationEngine],
     ) -> None:
         self.inner = entry  # the outermost stage (the core when no stage is on)
@@ -243,21 +242,21 @@ class ServedEngine(EngineWrapper):
     def entry(self) -> TranslationEngine:
         return self.inner
 
-    def stage(self, name: str) -> Any:
+    def stage(self, name: str) -> Any:  # each stage is its own class: the caller knows which
         """The stage `name` as built (KeyError when it is off)."""
         return self.stages[name]
 
     # the health probe's (workers/health.py); None for an engine that does not report them
     @property
-    def warmed_languages(self) -> Any:
+    def warmed_languages(self) -> set[str] | None:
         return getattr(self.base, "warmed_languages", None)
 
     @property
-    def loop_heartbeat(self) -> Any:
+    def loop_heartbeat(self) -> float | None:
         return getattr(self.base, "loop_heartbeat", None)
 
     @property
-    def config_report(self) -> Any:
+    def config_report(self) -> ConfigReport | None:
         return getattr(self.base, "config_report", None)
 
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
@@ -274,7 +273,7 @@ class ServedEngine(EngineWrapper):
         parts = [v for v in old.split(",") if v.startswith("arm=")] + ([variant] if variant else [])
         cache.fingerprint = f"{head}|{','.join(parts)}"  # type: ignore[attr-defined]
 
-    def bind_metrics(self, metrics: Any) -> None:
+    def bind_metrics(self, metrics: StageMetrics) -> None:
         """Every stage counts in the worker's metrics from now on."""
         for stage in self.stages.values():
             stage.bind_metrics(metrics)  # type: ignore[attr-defined]
@@ -282,20 +281,18 @@ class ServedEngine(EngineWrapper):
 
 def build_served_engine(
     core: TranslationEngine,
-    settings: Any,
     options: ServingOptions,
     *,
-    base: Any = None,
+    base: object = None,
     stages: Sequence[Stage] = STAGES,
 ) -> ServedEngine:
     """`core` (the fair engine) in the stages `options` turn on, in the order of `stages`
     (outermost first; `STAGES` unless a test adds one). `base`: the engine that builds the
-    prompts (default: the fair engine's own `Engine`, else `core` itself);
-    `settings`: `workers.settings.Settings` (cache and context parameters, the arm)."""
+    prompts (default: the fair engine's own `Engine`, else `core` itself)."""
     if base is None:
         base = core.engine if isinstance(core, FairEngine) else core
     prompts = getattr(base, "prompts", None)  # None: no prompt builder (a test's engine)
-    b = Build(settings, options, core, prompts, base, layers=[core])
+    b = Build(options, core, prompts, base, layers=[core])
     served = core
     built: dict[str, TranslationEngine] = {}
     for stage in reversed(stages):  # inside out

@@ -120,7 +120,7 @@ def run_rollout(
         engine: Any = make_engine() if make_engine else FakeEngine(languages=("en", *LANGS))
         drills = (drill,) if arm == "v2" and drill else ()
         served = build_served_engine(
-            engine, settings, ServingOptions(faithful=False, drill_latency=drills)
+            engine, ServingOptions.of(settings, faithful=False, drill_latency=drills)
         )  # as `tolk worker --no-faithful --no-cache [--drill-inject-latency ...]` serves it
         worker = Worker(settings, served, registry=CollectorRegistry())
         workers.append((worker, worker.run_in_thread()))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from schemas.codec import encode_result
+from schemas.wire import WireResult, write_result
 from workers.fairness.policy import LanguagePolicy
 from workers.guard import core as core_module
 from workers.guard.core import GuardConfig, GuardCore
@@ -29,25 +29,27 @@ from workers.guard.windows import (
 NOW = 1_800_000_000_000
 
 
-def reply(**over: Any) -> dict[str, Any]:
-    return {
-        "request_id": "r1",
-        "status": "OK",
-        "text": "x",
-        "error": None,
-        "model_version": "smol@v2",
-        "source_lang": "en",
-        "target_lang": "de",
-        "timings": {"queue_ms": 1.0, "prefill_ms": 1.0, "decode_ms": 1.0, "total_ms": 420.0},
-        "tokens_in": 1,
-        "tokens_out": 1,
-        "cached_prefix_tokens": 0,
-        "worker_id": "w",
-        "completed_at": NOW,
-        "conversation_id": None,
-        "metadata": {},
-        **over,
-    }
+def reply(**over: Any) -> WireResult:
+    return WireResult.from_record(
+        {
+            "request_id": "r1",
+            "status": "OK",
+            "text": "x",
+            "error": None,
+            "model_version": "smol@v2",
+            "source_lang": "en",
+            "target_lang": "de",
+            "timings": {"queue_ms": 1.0, "prefill_ms": 1.0, "decode_ms": 1.0, "total_ms": 420.0},
+            "tokens_in": 1,
+            "tokens_out": 1,
+            "cached_prefix_tokens": 0,
+            "worker_id": "w",
+            "completed_at": NOW,
+            "conversation_id": None,
+            "metadata": {},
+            **over,
+        }
+    )
 
 
 def test_a_reply_becomes_an_observation() -> None:
@@ -60,7 +62,6 @@ def test_malformed_no_arm_and_clock_skew_are_ignored_with_a_reason() -> None:
         "malformed": [
             reply(status="MAYBE"),
             reply(target_lang=""),
-            reply(timings={}),
             reply(model_version="smol@bad name"),
         ],
         "no_arm": [reply(model_version="smol")],
@@ -184,12 +185,12 @@ def test_core_counts_judges_and_ignores_unknown_arms_and_bad_records() -> None:
             table[(out[0], window)] = out[1]
 
     for i in range(4):
-        feed(encode_result(reply(timings=slow(5000.0))), i)  # canary, slow
-        feed(encode_result(reply(model_version="smol@stable", timings=slow(300.0))), i, partition=1)
-    feed(encode_result(reply(model_version="smol@v3")), 10)  # an arm of no rollout
+        feed(write_result(reply(timings=slow(5000.0))), i)  # canary, slow
+        feed(write_result(reply(model_version="smol@stable", timings=slow(300.0))), i, partition=1)
+    feed(write_result(reply(model_version="smol@v3")), 10)  # an arm of no rollout
     feed(b"\x00not avro", 11)
-    feed(encode_result(reply(completed_at=NOW - 3_600_000)), 12)
-    feed(encode_result(reply(timings=slow(5000.0))), 3)  # offset 3 again: not counted
+    feed(write_result(reply(completed_at=NOW - 3_600_000)), 12)
+    feed(write_result(reply(timings=slow(5000.0))), 3)  # offset 3 again: not counted
     assert core.ignored == {"malformed": 1, "clock_skew": 1}
     # the window is not due until its end + grace and every partition is read past it
     assert core.tick(list(table.items()), {0: 13, 1: 4}, now_ms=NOW + 2500) == 0
@@ -216,7 +217,7 @@ def test_a_committed_offset_past_the_restored_counts_is_read_again_and_counted_o
     monkeypatch.setattr(core_module, "REREAD_MARGIN", 2)
     window = (NOW / 1000, NOW / 1000 + 1.9)
     records = [
-        (p, off, encode_result(reply(timings=slow(400.0 + off))))
+        (p, off, write_result(reply(timings=slow(400.0 + off))))
         for p, n in ((0, 6), (1, 4))
         for off in range(n)
     ]

@@ -255,9 +255,11 @@ def test_cancel_reaches_the_engine(tm_dir: Path) -> None:
 
 def test_the_cache_key_tells_the_arms_apart(tm_dir: Path) -> None:
     def fingerprint(retrieved: Any) -> str:  # the cache's key, as the builder composes it
-        options = ServingOptions(faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
-                                 retriever=retrieved)  # fmt: skip
-        cache = build_served_engine(PromptEngine(), Settings(), options).stage("cache")
+        options = ServingOptions.of(
+            Settings(), faithful=False, cache=True, cache_l2=InMemoryTranslationCache(),
+            retriever=retrieved,
+        )  # fmt: skip
+        cache = build_served_engine(PromptEngine(), options).stage("cache")
         assert cache.prompt_form == builder().default_form
         return str(cache.fingerprint)
 
