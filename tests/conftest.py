@@ -61,6 +61,15 @@ SERIAL_GROUPS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
         (),
     ),
     (
+        "qwen-models",
+        "the Qwen 0.5B and its transformers reference take ~4 GB in float32 and stay loaded for "
+        "the session of each worker that asked for them: on one worker only, so that both "
+        "workers' models fit in the machine's memory together (a CI run on 2026-12-06 had a "
+        "worker OOM-killed at 13.8 GB)",
+        ("qwen05", "qwen05_reference"),
+        (),
+    ),
+    (
         "private-redis",
         "redis-servers of their own on ports probed from 36379 / 36380: probed at the same "
         "time, two tests would pick the same port",

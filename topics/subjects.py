@@ -54,13 +54,16 @@ def register_subjects(
         if found is not None:
             out[subject] = f"exists, id {found}"
             continue
-        if subject not in existing:  # a subject someone made keeps the rule it was given
-            registry.set_compatibility(subject, compatibility)
         try:
             schema_id = registry.register(subject, schema)
         except RegistryError as exc:
             if exc.status == 409:  # the registry's own words: which field, which rule
                 raise SubjectRefused(subject, [str(exc)]) from None
             raise
+        # the rule after the first version (a first version has nothing to be compatible
+        # with; Apicurio answers a rule set before it with "artifact already exists" at times);
+        # a subject someone made keeps the rule it was given
+        if subject not in existing:
+            registry.set_compatibility(subject, compatibility)
         out[subject] = f"registered, id {schema_id} ({compatibility})"
     return out

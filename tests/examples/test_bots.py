@@ -84,7 +84,9 @@ def stack(
         group_id=f"tolk-bots-{uuid.uuid4().hex[:8]}", metrics_port=0, worker_id="w-bots",
         policies=policies, schema_registry_url=schema_registry_url, drain_timeout_s=5.0,
     )  # fmt: skip
-    fair = build_fair_engine(smollm2, policies, config=EngineConfig(max_new_tokens=32))
+    # a small KV pool: this test shares the machine with the suite's other models
+    config = EngineConfig(max_new_tokens=32, kv_cache_tokens=2048)
+    fair = build_fair_engine(smollm2, policies, config=config)
     served = build_served_engine(fair, ServingOptions.of(settings, faithful=False))
     worker = Worker(settings, served, registry=CollectorRegistry())
     thread = worker.run_in_thread()
@@ -116,7 +118,7 @@ def _java_bot() -> list[str]:
     if not (JAVA_BOT / "target" / "lib").is_dir():
         done = _run(["mvn", "-q", "-B", "package"], JAVA_BOT, dict(os.environ), 900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return ["java", "-cp", "target/classes:target/lib/*", "dev.tolk.bot.Bot"]
+    return ["java", "-Xmx128m", "-cp", "target/classes:target/lib/*", "dev.tolk.bot.Bot"]
 
 
 def _reply(done: subprocess.CompletedProcess) -> dict[str, Any]:

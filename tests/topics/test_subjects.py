@@ -6,12 +6,14 @@ in-memory registry of tests/schemas/fake_registry.py)."""
 from __future__ import annotations
 
 import copy
+import uuid
 
 import pytest
 from typer.testing import CliRunner
 
 from schemas.codec import REQUEST, builtin_schemas
 from schemas.registry import SchemaRegistry, value_subject
+from tests.registry_fixtures import schema_registry_url  # noqa: F401
 from tests.schemas.fake_registry import serve
 from topics.catalog import catalog
 from topics.subjects import SubjectRefused, register_subjects
@@ -64,3 +66,25 @@ def test_the_cli_prints_the_refusal_and_makes_no_topic() -> None:
         )
     assert result.exit_code == 1, result.output
     assert "tolk.requests.de-value" in result.output and "refuses" in result.output
+
+
+@pytest.mark.registry
+def test_the_stacks_registry_refuses_a_breaking_change_and_the_cli_prints_why(
+    schema_registry_url: str,  # noqa: F811
+) -> None:
+    """The same against the local stack's registry (Apicurio): its own reason, printed."""
+    from workers.cli import app
+
+    prefix = f"ts{uuid.uuid4().hex[:8]}."
+    subject = f"{prefix}tolk.requests.de-value"
+    registry = SchemaRegistry(schema_registry_url)
+    registry.set_compatibility(subject, "FULL")
+    registry.register(subject, _breaking_request_schema())  # tolk's schema lacks its field
+    result = CliRunner().invoke(
+        app,
+        ["topics", "create", "-l", "de", "--registry", schema_registry_url],
+        env={"TOLK_BOOTSTRAP": "127.0.0.1:1", "TOLK_TOPIC_PREFIX": prefix},
+    )
+    assert result.exit_code == 1, result.output
+    assert subject in result.output and "409" in result.output
+    assert "tenant" in result.output  # the field the registry names
