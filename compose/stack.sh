@@ -779,7 +779,11 @@ registry_up() {
         log "schema registry already running (pid $pid) on 127.0.0.1:$REGISTRY_PORT"
         return 0
     fi
-    port_open "$REGISTRY_PORT" && die "the registry port $REGISTRY_PORT is already taken"
+    if port_open "$REGISTRY_PORT"; then
+        registry_ready || die "port $REGISTRY_PORT is taken by something that does not answer as a registry"
+        log "a Schema Registry not started by this script already answers on 127.0.0.1:$REGISTRY_PORT; using it"
+        return 0
+    fi
     require_java
     build_registry
     log "starting the Schema Registry on 127.0.0.1:$REGISTRY_PORT ($REGISTRY_API)"
