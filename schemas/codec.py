@@ -152,17 +152,18 @@ class AvroCodec:
         self._subject_ids: dict[tuple[str, bytes], int] = {}  # (subject, fingerprint) -> id
         self._failed_ids: dict[int, tuple[float, str]] = {}  # id -> (retry after, why)
         self._registry_down_until = 0.0
-        raws = builtin_schemas() if schemas is None else schemas
+        # the raw schemas by fingerprint: what a registry lookup sends (`encode(subject=)`)
+        self._raw_by_fp: dict[bytes, Mapping[str, Any]] = {}
         if schemas is None:
             readers = dict(builtin_writers(timestamps))
+            for name, raw in builtin_schemas().items():
+                self._raw_by_fp[readers[name].fingerprint] = raw
         else:
             readers = {}
             for raw in schemas.values():
                 writer = make_writer(raw, timestamps)
                 readers[writer.name] = writer
-        self._raw_by_fp: dict[bytes, Mapping[str, Any]] = {
-            schema_fingerprint(raw): raw for raw in raws.values()
-        }
+                self._raw_by_fp[writer.fingerprint] = raw
         self._readers: dict[str, Writer] = readers
         self._aliases: dict[str, str] = {}
         for name in readers:

@@ -88,23 +88,20 @@ class SchemaRegistry:
             raise ValueError("credentials in the URL: use SchemaRegistry.from_url")
 
     @classmethod
-    def from_url(cls, url: str, *, ca_file: str | None = None) -> SchemaRegistry:
+    def from_url(
+        cls, url: str, *, ca_file: str | None = None, timeout_s: float = 5.0
+    ) -> SchemaRegistry:
         """A registry from a URL that may carry `user:password@` (TOLK_SCHEMA_REGISTRY_URL)."""
         parts = urllib.parse.urlsplit(url)
         user = urllib.parse.unquote(parts.username) if parts.username else None
         password = urllib.parse.unquote(parts.password) if parts.password else None
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        bare = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-        return cls(bare, username=user, password=password, ca_file=ca_file or None)
+        return cls(_without_credentials(url), username=user, password=password,
+                   ca_file=ca_file or None, timeout_s=timeout_s)  # fmt: skip
 
     @property
     def shown_url(self) -> str:
         """The URL without credentials (for messages and logs)."""
-        parts = urllib.parse.urlsplit(self.url)
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+        return _without_credentials(self.url)
 
     # -- the calls ----------------------------------------------------------------------------
 
@@ -184,6 +181,13 @@ class SchemaRegistry:
             return json.loads(raw) if raw else {}
         except json.JSONDecodeError as exc:
             raise RegistryError(f"{method} {shown}: not JSON ({raw[:80]!r})") from exc
+
+
+def _without_credentials(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _q(subject: str) -> str:

@@ -12,7 +12,6 @@ on a first lookup.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,9 +32,11 @@ def worker_codec(settings: Settings) -> AvroCodec:
     if not settings.schema_registry_url:
         return default_codec()
     registry = SchemaRegistry.from_url(
-        settings.schema_registry_url, ca_file=settings.ssl_ca_location or None
+        settings.schema_registry_url,
+        ca_file=settings.ssl_ca_location or None,
+        timeout_s=REGISTRY_TIMEOUT_S,
     )
-    return AvroCodec(ids_from=dataclasses.replace(registry, timeout_s=REGISTRY_TIMEOUT_S))
+    return AvroCodec(ids_from=registry)
 
 
 @dataclass(frozen=True, slots=True)
