@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import disk_cache, loader
+from workers.engine import disk_cache, gguf_parse, loader
 from workers.engine.disk_cache import cache_root, read_record, record_key, write_record
 
 
@@ -185,7 +185,7 @@ def test_linear_probe_choices_persist_per_cpu(
 def test_one_parse_conversion_writes_the_same_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The conversion parses the GGUF once, from memory (loader._one_gguf_parse: 40 s -> 10 s
+    """The conversion parses the GGUF once, from memory (workers/engine/gguf_parse.py: 40 s -> 10 s
     for Gemma 3 270M); what it writes is byte for byte what transformers' own repeated memmap
     parses write (converted here both ways: ~50 s)."""
     import contextlib
@@ -196,7 +196,7 @@ def test_one_parse_conversion_writes_the_same_checkpoint(
     _, path = loader.resolve_source("gemma3-270m")
     loader._convert_gguf(path, tmp_path / "one_parse")
     assert gguf.GGUFReader.__name__ == "GGUFReader"  # the patch is gone after the conversion
-    monkeypatch.setattr(loader, "_one_gguf_parse", contextlib.nullcontext)
+    monkeypatch.setattr(gguf_parse, "one_gguf_parse", contextlib.nullcontext)
     loader._convert_gguf(path, tmp_path / "transformers")
     names = sorted(p.name for p in (tmp_path / "transformers").iterdir())
     assert "model.safetensors" in names

@@ -85,6 +85,15 @@ def test_the_unmeasured_choice_is_int8_eager_where_its_gate_passes() -> None:
     assert flags.candidate == F32C
 
 
+def test_the_unmeasured_choice_is_float32_where_int8s_kernel_has_no_fast_loop() -> None:
+    # a CPU without AVX-512 or AVX2: the int8 op is its plain loop, slower than float32's BLAS
+    got = unmeasured_choice(GATES_I8, int8_fast=False)
+    assert got.candidate == F32 and "no vector loop on this CPU" in got.reason
+    # the flags still win
+    asked = unmeasured_choice(GATES_I8, Overrides(weights="int8"), int8_fast=False)
+    assert asked.candidate == I8 and "lacks" not in asked.reason
+
+
 def _store(model: str, root: Path, others_share: float) -> None:
     measurements = [
         Measurement(F32, 40.0, 200.0),

@@ -127,3 +127,30 @@ def test_op_rejects_bad_input(cpu_op) -> None:
         torch.ops.tolk.int8_linear(torch.ones(1, 31), w, s)
     with pytest.raises(RuntimeError, match="int8"):
         torch.ops.tolk.int8_linear(x, w.float(), s)
+
+
+def test_the_fast_loop_is_expected_where_the_cpu_has_avx512_f_bw_vl_or_avx2_fma(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kernels import int8_linear
+
+    for flags, fast in (
+        ({"sse4_2", "avx"}, False),
+        ({"avx2"}, False),
+        ({"avx512f", "avx512bw"}, False),
+        ({"avx2", "fma"}, True),
+        ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, True),
+    ):
+        monkeypatch.setattr(cpu_ops, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert int8_linear.fast_loop_expected() is fast
+
+
+def test_cpu_flags_are_read_from_this_machine() -> None:
+    import platform
+    from pathlib import Path
+
+    flags = cpu_ops.cpu_flags()
+    if platform.machine() == "x86_64" and Path("/proc/cpuinfo").exists():
+        assert {"fpu", "sse2"} <= flags  # every x86-64 CPU has them; an unparsed file gives none
+    elif not Path("/proc/cpuinfo").exists():
+        assert flags == frozenset()

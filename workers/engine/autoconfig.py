@@ -133,19 +133,25 @@ FALLBACK = Candidate("float32", compile_decode=False)
 START_FORMATS = ("int8", "float32")  # the unmeasured first choice: the first whose gate passes
 
 
-def unmeasured_choice(gates: Mapping[str, Gate], overrides: Overrides | None = None) -> Choice:
+def unmeasured_choice(
+    gates: Mapping[str, Gate], overrides: Overrides | None = None, int8_fast: bool = True
+) -> Choice:
     """The configuration a worker serves before any probe (a machine never seen): eager, so
-    nothing compiles in the foreground, and int8 where its gate passes (measured faster than
-    float32 eager on every machine and model so far, docs/BENCHMARKS.md), else float32. The
-    flags win. `pending_probe` is set: the tuner measures and may move away from it."""
+    nothing compiles in the foreground, and int8 where its gate passes and its kernel runs its
+    fast loop here (`int8_fast`: kernels/int8_linear.py's `fast_loop_expected`; then measured
+    faster than float32 eager on every machine and model so far, docs/BENCHMARKS.md), else
+    float32. The flags win. `pending_probe` is set: the tuner measures and may move away."""
     over = overrides or Overrides()
+    formats = START_FORMATS if int8_fast else tuple(w for w in START_FORMATS if w != "int8")
     weights = over.weights or next(
-        (w for w in START_FORMATS if gates.get(w, Gate(False, "")).passed), FALLBACK.weights
+        (w for w in formats if gates.get(w, Gate(False, "")).passed), FALLBACK.weights
     )
     candidate = Candidate(weights, bool(over.compile_decode))
+    slow_int8 = "" if int8_fast or over.weights else "; int8's kernel: no vector loop on this CPU"
     reason = (
         f"{candidate.label}: chosen without measuring (no probe of this machine yet; it runs in "
-        f"the background and the worker moves to its choice; flags: {over.describe()})"
+        f"the background and the worker moves to its choice{slow_int8}; flags: "
+        f"{over.describe()})"
     )
     return Choice(candidate, reason, (), pending_probe=True)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import cpu_ops
+from kernels.int8_linear import fast_loop_expected
 from workers.engine.autoconfig import (
     FORMATS,
     Candidate,
@@ -249,7 +250,7 @@ def resolve_worker_config(
         record = read_probe(model, cache_root, gates, over)
         if record is not None:
             return choice_from(record, gates, over)
-        choice = unmeasured_choice(gates, over)
+        choice = unmeasured_choice(gates, over, int8_fast=fast_loop_expected())
         log.info("auto config chose %s", choice.reason)
         return choice
     chosen = Candidate(weights or "float32", bool(compile_decode))

@@ -6,12 +6,13 @@ Sources (Llama, Gemma 3, Qwen 2 / 2.5 and Qwen 3 text models):
 - a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer). Never the
   hub: nothing is downloaded.
 
-GGUF is read through transformers' GGUF reader, which dequantizes to float (Gemma 3 270M takes
-~80 s). That happens once per file: the result is written as a plain HF checkpoint directory
-(float32 safetensors in transformers' names, config.json, the tokenizer, plus our own
-`tolk_config.json`) under `<cache root>/weights/<hash>/` (`disk_cache.cache_root()`:
-TOLK_CACHE_DIR, else ~/.cache/tolk), the hash covering the file's size
-and its first and last 16 MiB. Later loads read that directory like any checkpoint directory:
+GGUF is read through transformers' GGUF reader, which dequantizes to float, with its metadata
+parsed once and fast (`gguf_parse.py`: Gemma 3 270M's conversion took ~40 s, most of it parsing
+its 262k-token vocabulary again and again). That happens once per file: the result is written
+as a plain HF checkpoint directory (float32 safetensors in transformers' names, config.json,
+the tokenizer, plus our own `tolk_config.json`) under `<cache root>/weights/<hash>/`
+(`disk_cache.cache_root()`: TOLK_CACHE_DIR, else ~/.cache/tolk), the hash covering the file's
+size and its first and last 16 MiB. Later loads read that directory like any checkpoint directory:
 safetensors -> rename to our names -> cast -> `load_state_dict(assign=True)` into a model built
 on the meta device, so no random init runs. Keeping the cache in transformers' format means the
 parity reference (`load_reference_hf_model`) reads exactly the same dequantized weights, fast.
@@ -30,14 +31,13 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.engine import gguf_parse
 from workers.engine.config import ModelConfig
 from workers.engine.disk_cache import cache_root
 from workers.engine.gguf_tokenizer import spm_bpe_tokenizer
@@ -135,52 +135,11 @@ def _cache_entry_problem(target: Path) -> str | None:
     return None
 
 
-@contextmanager
-def _one_gguf_parse() -> Iterator[None]:
-    """Within: `gguf.GGUFReader` parses each file once, from memory. transformers parses a
-    GGUF's metadata anew for the config, the tokenizer and the tensors, and our tokenizer reader
-    once more: ~9 s each for Gemma 3's 262k-token vocabulary, most of a first start's 40 s
-    conversion (measured 2026-12-06; dequantizing the tensors is 1.4 s of it). The reader is
-    read-only once parsed, so one serves every caller (transformers imports it at call time).
-    It parses from a `np.memmap` of the file, whose per-slice overhead is most of a parse: the
-    file read into memory instead (a copy, dropped after the conversion) parses in 3 s."""
-    import gguf
-    import gguf.gguf_reader as gguf_reader
-    import numpy as np
-
-    class _InMemory:  # gguf_reader's `np`, with `memmap` reading the file instead
-        def __getattr__(self, name: str) -> Any:
-            return getattr(np, name)
-
-        @staticmethod
-        def memmap(path: Any, mode: str = "r", **kw: Any) -> Any:
-            if mode != "r":
-                return np.memmap(path, mode=mode, **kw)  # type: ignore[call-overload]
-            return np.fromfile(path, dtype=np.uint8)
-
-    original, original_np = gguf.GGUFReader, gguf_reader.np
-    parsed: dict[tuple[str, str], Any] = {}
-
-    def reader(path: Any, mode: str = "r") -> Any:
-        key = (str(Path(path).resolve()), mode)
-        if key not in parsed:
-            parsed[key] = original(path, mode)  # type: ignore[arg-type]
-        return parsed[key]
-
-    gguf.GGUFReader = reader  # type: ignore[misc, assignment]
-    gguf_reader.np = _InMemory()  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original  # type: ignore[misc]
-        gguf_reader.np = original_np
-
-
 def _convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    with _one_gguf_parse():
+    with gguf_parse.one_gguf_parse():  # one fast parse for every reader (gguf_parse.py)
         tokenizer = spm_bpe_tokenizer(path)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

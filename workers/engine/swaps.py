@@ -50,7 +50,12 @@ from kernels import cpu_ops
 from kernels.greedy_head import Int8Screen
 from kernels.int4_linear import int4_linear, quantize_int4, runs_vnni, supports
 from kernels.int8_head_screen import Int4Screen
-from kernels.int8_linear import int8_linear, pick_streamed_rows, quantize_int8
+from kernels.int8_linear import (
+    fast_loop_expected,
+    int8_linear,
+    pick_streamed_rows,
+    quantize_int8,
+)
 from workers.engine.hugepages import to_huge_pages
 from workers.engine.linear_backends import ProbedLinear, probed_linears_available
 
@@ -216,7 +221,8 @@ INT4_SCREEN_MIN_WEIGHTS = 64 * 2**20
 
 def screen_lm_head(model: nn.Module) -> HeadScreen | None:
     """The LM head's screen for greedy rows, or None where none applies (a bfloat16 or GPU
-    head, no C++ ops, an int8 head without the int4 VNNI loop):
+    head, no C++ ops, an int8 head without the int4 VNNI loop, a float32 head on a CPU where
+    the int8 op has no fast loop):
     - a float32 head: an int8 copy with a rigorous error bound (`Int8Screen`, 168 MB for
       Gemma 3's head, ~1.5 s);
     - an int8 head (`convert_for_runtime`) of at least `INT4_SCREEN_MIN_WEIGHTS`: an int4 copy
@@ -241,6 +247,8 @@ def screen_lm_head(model: nn.Module) -> HeadScreen | None:
         w, scales, mins = to_huge_pages([built.w, built.scales, built.mins])
         screen = dataclasses.replace(built, w=w, scales=scales, mins=mins)
     elif weight.dtype == torch.float32:
+        if not fast_loop_expected():  # the int8 op's plain loop: slower than the float32 head
+            return None  # (kernels/int8_linear.py: 94 ms against 69 at one row on an AMD EPYC)
         screen = Int8Screen.build(weight)
         pick_streamed_rows()  # the screen's int8 logits run the op too
         (q,) = to_huge_pages([screen.q])
