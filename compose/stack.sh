@@ -39,6 +39,9 @@
 #   TOLK_KAFKA_USER              the SCRAM user of the clients (default tolk)
 #   TOLK_KAFKA_PASSWORD          its password (default: generated into <state>/secrets, 0600)
 #   TOLK_REDIS_PASSWORD          redis 'requirepass' (default: none; generated in sasl_ssl mode)
+#   TOLK_REGISTRY_PASSWORD       sasl_ssl mode: the Schema Registry's password for the client user
+#                                (default: generated into <state>/secrets); the registry then
+#                                serves HTTPS only, with basic auth
 #
 # In sasl_ssl mode 'up' prints where the CA certificate and the client credentials file are;
 # `set -a; . <state>/secrets/client.env; set +a` points `tolk worker` / `tolk translate` at the
@@ -740,35 +743,99 @@ prometheus_down() {
 
 REGISTRY_DIR="$STATE_DIR/registry"
 REGISTRY_PID="$REGISTRY_DIR/registry.pid"
-REGISTRY_RUN="$REGISTRY_DIR/quarkus-app/quarkus-run.jar"
 REGISTRY_API="/apis/ccompat/v7"
 
-registry_pid() { pid_of "$REGISTRY_PID" "$REGISTRY_RUN"; }
+registry_pid() { pid_of "$REGISTRY_PID" "$REGISTRY_DIR/quarkus-app"; }  # either build
+
+registry_tls() { [[ $KAFKA_SECURITY == sasl_ssl ]]; }  # the registry follows the stack's mode
+
+registry_url() {  # what clients are given (credentials apart)
+    if registry_tls; then
+        echo "https://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+    else
+        echo "http://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+    fi
+}
 
 registry_ready() {  # HTTP 200 from the ccompat API's subject list
     local reply
+    if registry_tls; then  # TLS and a login: curl (its config on stdin: no password in ps)
+        command -v curl >/dev/null || die "curl is needed to check the registry over TLS"
+        printf 'user = "%s:%s"\n' "$KAFKA_USER" "$(secret registry.password)" \
+            | curl -K - -fsS -o /dev/null --max-time 3 --cacert "$TLS_DIR/ca.crt" \
+                "$(registry_url)/subjects" 2>/dev/null
+        return
+    fi
     reply="$(exec 2>/dev/null 3<>"/dev/tcp/127.0.0.1/$REGISTRY_PORT" \
         && printf 'GET %s/subjects HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$REGISTRY_API" >&3 \
         && timeout 2 head -c 12 <&3)" 2>/dev/null || return 1
     [[ $reply == "HTTP/1."?" 200" ]]
 }
 
+# sasl_ssl mode: the registry serves HTTPS only, with the broker's certificate (localhost,
+# 127.0.0.1; the stack's CA), and asks every request for HTTP basic credentials: the client
+# user (TOLK_KAFKA_USER) with a password of its own (secrets/registry.password). Quarkus reads
+# them at start from config/application.properties in its working directory (0600; never on
+# a command line); the build enabled basic auth and the embedded user store
+# (compose/registry/src/main/resources/META-INF/microprofile-config.properties) and, for this
+# mode only, the policy (build_registry).
+registry_tls_config() {
+    ensure_secret registry.password "${TOLK_REGISTRY_PASSWORD:-}"
+    [[ -s $TLS_DIR/broker.crt && -s $TLS_DIR/broker.key ]] \
+        || die "no certificates in $TLS_DIR: run 'up' in sasl_ssl mode first"
+    (umask 077 && mkdir -p "$REGISTRY_DIR/config" && {
+        echo "# written by compose/stack.sh registry-up (sasl_ssl mode): secret, 0600"
+        echo "quarkus.http.ssl-port=$REGISTRY_PORT"
+        echo "quarkus.http.insecure-requests=disabled"
+        echo "quarkus.http.ssl.certificate.files=$TLS_DIR/broker.crt"
+        echo "quarkus.http.ssl.certificate.key-files=$TLS_DIR/broker.key"
+        echo "quarkus.security.users.embedded.users.$KAFKA_USER=$(secret registry.password)"
+        echo "quarkus.security.users.embedded.roles.$KAFKA_USER=sr-developer"
+    } >"$REGISTRY_DIR/config/application.properties")
+    chmod 600 "$REGISTRY_DIR/config/application.properties"
+}
+
+# The client settings file gets the registry's URL with the credentials in it (the form
+# TOLK_SCHEMA_REGISTRY_URL takes); a bot's library takes them apart (docs/OPERATIONS.md).
+registry_client_env() {
+    [[ -s $CLIENT_ENV ]] || return 0
+    local kept
+    kept="$(grep -v '^TOLK_SCHEMA_REGISTRY_URL=' "$CLIENT_ENV" || true)"
+    (umask 077 && printf '%s\nTOLK_SCHEMA_REGISTRY_URL=https://%s:%s@127.0.0.1:%s%s\n' "$kept" \
+        "$KAFKA_USER" "$(secret registry.password)" "$REGISTRY_PORT" "$REGISTRY_API" >"$CLIENT_ENV")
+    chmod 600 "$CLIENT_ENV"
+}
+
+# Two builds: the plain one, and in sasl_ssl mode one whose every path asks for a login.
+# Quarkus 2.16 (Apicurio 2.4's) fixes HTTP permission policies at build time, so the policy is
+# given to the build (`quarkus-app-auth`); the users, the certificates and the HTTPS port are
+# given at start (registry_tls_config).
+registry_app() {
+    if registry_tls; then echo "$REGISTRY_DIR/quarkus-app-auth"; else echo "$REGISTRY_DIR/quarkus-app"; fi
+}
+
 build_registry() {
-    local stamp="$REGISTRY_DIR/.built" want build="$REGISTRY_DIR/build"
+    local app want build="$REGISTRY_DIR/build" stamp
+    local -a policy=()
+    app="$(registry_app)"
+    stamp="$app.built"
+    ! registry_tls || policy=(-Dquarkus.http.auth.permission.registry.paths='/*'
+        -Dquarkus.http.auth.permission.registry.policy=authenticated)
     want="$(find "$COMPOSE_DIR/registry" -type f -not -path '*/target/*' | sort | xargs cat \
         | sha256sum | cut -d' ' -f1)"
-    if [[ -f $stamp && "$(<"$stamp")" == "$want" && -f $REGISTRY_RUN ]]; then
+    if [[ -f $stamp && "$(<"$stamp")" == "$want" && -f $app/quarkus-run.jar ]]; then
         return 0
     fi
     command -v mvn >/dev/null || die "the registry is not built yet and 'mvn' is missing"
-    log "building the Schema Registry (Apicurio, compose/registry/pom.xml) into $REGISTRY_DIR"
-    rm -rf "$build" "$REGISTRY_DIR/quarkus-app"
+    log "building the Schema Registry (Apicurio, compose/registry/pom.xml) into $app"
+    rm -rf "$build" "$app"
     mkdir -p "$REGISTRY_DIR" "$LOG_DIR"
     cp -r "$COMPOSE_DIR/registry" "$build"
-    mvn -B -Dstyle.color=never -f "$build/pom.xml" -DskipTests -Dquarkus.package.type=fast-jar package \
+    MAVEN_OPTS="${MAVEN_OPTS:--Xmx768m}" mvn -B -Dstyle.color=never -f "$build/pom.xml" \
+        -DskipTests -Dquarkus.package.type=fast-jar "${policy[@]}" package \
         >"$LOG_DIR/registry-mvn.log" 2>&1 \
         || { tail -n 40 "$LOG_DIR/registry-mvn.log" >&2; die "the registry build failed (log: $LOG_DIR/registry-mvn.log)"; }
-    mv "$build/target/quarkus-app" "$REGISTRY_DIR/quarkus-app"
+    mv "$build/target/quarkus-app" "$app"
     rm -rf "$build"
     echo "$want" >"$stamp"
 }
@@ -786,16 +853,20 @@ registry_up() {
     fi
     require_java
     build_registry
-    log "starting the Schema Registry on 127.0.0.1:$REGISTRY_PORT ($REGISTRY_API)"
+    rm -rf "$REGISTRY_DIR/config"  # a mode's settings never outlive it
+    ! registry_tls || registry_tls_config
+    log "starting the Schema Registry on 127.0.0.1:$REGISTRY_PORT ($REGISTRY_API$(registry_tls \
+        && echo ", HTTPS with basic auth, user '$KAFKA_USER'"))"
     # a small heap and the serial collector: in memory it holds a few schemas (~300 MB resident)
-    setsid java -Xmx192m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 \
+    (cd "$REGISTRY_DIR" && exec setsid java -Xmx192m -XX:+UseSerialGC -XX:TieredStopAtLevel=1 \
         -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$REGISTRY_PORT" \
-        -jar "$REGISTRY_RUN" >"$LOG_DIR/registry.out" 2>&1 </dev/null 9>&- &
+        -jar "$(registry_app)/quarkus-run.jar" >"$LOG_DIR/registry.out" 2>&1 </dev/null 9>&-) &
     pid=$!
     echo "$pid" >"$REGISTRY_PID"
     for ((i = 0; i < START_TIMEOUT; i++)); do
         if registry_ready; then
-            log "schema registry up (pid $pid): http://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+            log "schema registry up (pid $pid): $(registry_url)"
+            ! registry_tls || registry_client_env
             return 0
         fi
         kill -0 "$pid" 2>/dev/null || { tail -n 40 "$LOG_DIR/registry.out" >&2; die "the registry exited during start-up (log: $LOG_DIR/registry.out)"; }
@@ -846,7 +917,7 @@ status() {
         echo "prometheus: running (pid $pid) on 127.0.0.1:$PROM_PORT"
     fi
     if pid="$(registry_pid)"; then  # optional for now (TOLK_REGISTRY=1)
-        echo "schema registry: running (pid $pid): http://127.0.0.1:$REGISTRY_PORT$REGISTRY_API"
+        echo "schema registry: running (pid $pid): $(registry_url)"
     fi
     echo "state: $STATE_DIR"
     [[ ! -s $CLIENT_ENV ]] || echo "client credentials: $CLIENT_ENV"

@@ -15,7 +15,11 @@ shared broker on 9092 and redis on 6379 are never touched), stopped at the end. 
 * `status` works in this mode without the variables (the mode is recorded in the state dir);
 * `tolk guard` reads the replies over SASL_SSL (its faust consumer gets the same settings as
   the worker's clients) without a password in its log, and fails fast on a plaintext
-  configuration as `tolk worker` does.
+  configuration as `tolk worker` does;
+* the Schema Registry of this mode (TOLK_REGISTRY=1, issue #45) serves HTTPS only, with the
+  stack's certificate, and asks for the client user's login: refused without it or with a
+  wrong password (401), plain HTTP not answered; the credentials file's
+  TOLK_SCHEMA_REGISTRY_URL registers every subject as `tolk topics create` does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -82,6 +88,7 @@ class SecureStack:
     state_dir: Path
     kafka_port: int
     redis_port: int
+    registry_port: int
     credentials_file: Path  # secrets/client.env, as printed by 'up'
     ca_file: Path  # as printed by 'up'
     up_output: str  # what 'up' printed
@@ -92,7 +99,9 @@ class SecureStack:
 
     def secrets(self) -> list[str]:
         c = self.credentials
-        return [c["TOLK_SASL_PASSWORD"], c["TOLK_REDIS_PASSWORD"]]
+        registry_password = urllib.parse.urlsplit(c["TOLK_SCHEMA_REGISTRY_URL"]).password
+        assert registry_password
+        return [c["TOLK_SASL_PASSWORD"], c["TOLK_REDIS_PASSWORD"], registry_password]
 
     def stack(self, command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -126,6 +135,7 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSta
     kafka_port = free_port(29092, taken)
     controller_port = free_port(29093, taken)
     redis_port = free_port(26379, taken)
+    registry_port = free_port(28085, taken)
     state_dir = tmp_path_factory.mktemp("secure-stack") / "state"
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TOLK_")},
@@ -134,6 +144,8 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSta
         "TOLK_KAFKA_CONTROLLER_PORT": str(controller_port),
         "TOLK_REDIS_PORT": str(redis_port),
         "TOLK_KAFKA_SECURITY": "sasl_ssl",
+        "TOLK_REGISTRY": "1",  # its secured build: HTTPS and basic auth
+        "TOLK_REGISTRY_PORT": str(registry_port),
         "TOLK_PYTHON": sys.executable,
     }
     probe = subprocess.run(
@@ -154,6 +166,7 @@ def secure_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSta
             state_dir=state_dir,
             kafka_port=kafka_port,
             redis_port=redis_port,
+            registry_port=registry_port,
             credentials_file=_printed_path(output, "client credentials (0600): "),
             ca_file=_printed_path(output, "CA certificate: "),
             up_output=output,
@@ -478,3 +491,74 @@ def test_tolk_guard_fails_fast_on_a_plaintext_configuration(secure_stack: Secure
     assert done.returncode == 1, done.stdout + done.stderr
     assert "security protocol mismatch" in done.stderr
     assert time.monotonic() - started < 60
+
+
+# ---------------------------------------------------------------------- the Schema Registry
+
+
+def _registry_status(url: str, ca_file: Path | None, auth: tuple[str, str] | None) -> int:
+    """The HTTP status of GET `url` (0: no HTTP answer at all)."""
+    import base64
+    import ssl
+
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def test_the_registry_serves_https_only_and_asks_for_the_client_login(
+    secure_stack: SecureStack,
+) -> None:
+    creds = secure_stack.credentials
+    url = urllib.parse.urlsplit(creds["TOLK_SCHEMA_REGISTRY_URL"])
+    assert url.scheme == "https" and url.port == secure_stack.registry_port
+    assert url.username == creds["TOLK_SASL_USERNAME"]
+    assert url.password and url.password != creds["TOLK_SASL_PASSWORD"]  # a password of its own
+    subjects = f"https://127.0.0.1:{secure_stack.registry_port}/apis/ccompat/v7/subjects"
+    ca = secure_stack.ca_file
+    assert _registry_status(subjects, ca, (url.username, url.password)) == 200
+    assert _registry_status(subjects, ca, None) == 401
+    assert _registry_status(subjects, ca, (url.username, "not-" + url.password)) == 401
+    assert _registry_status(subjects.replace("https:", "http:"), None, None) == 0
+    assert _registry_status(subjects, None, (url.username, url.password)) == 0  # unknown CA
+    status = secure_stack.stack("status")
+    assert "schema registry: running (pid " in status.stdout
+    assert f"https://127.0.0.1:{secure_stack.registry_port}/apis/ccompat/v7" in status.stdout
+    config = secure_stack.state_dir / "registry" / "config" / "application.properties"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it holds the password
+
+
+def test_tolk_topics_create_registers_every_subject_with_the_credentials_file(
+    secure_stack: SecureStack,
+) -> None:
+    """`set -a; . client.env; set +a; tolk topics create`, as docs/OPERATIONS.md says: topics made
+    over SASL_SSL, every subject registered over HTTPS with the login, no password printed; a
+    wrong registry password stops it with the registry's 401."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TOLK_")},
+        **secure_stack.credentials,
+    }
+    cli = [sys.executable, "-m", "workers.cli", "topics", "create"]
+    done = subprocess.run(cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "tolk.requests.de-value: registered, id" in output
+    assert "tolk.replies-value: registered, id" in output
+    for secret in secure_stack.secrets():
+        assert secret not in output
+    url = urllib.parse.urlsplit(env["TOLK_SCHEMA_REGISTRY_URL"])
+    env["TOLK_SCHEMA_REGISTRY_URL"] = env["TOLK_SCHEMA_REGISTRY_URL"].replace(
+        f":{url.password}@", ":not-the-password@"
+    )
+    refused = subprocess.run(cli, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert refused.returncode == 1
+    assert "401" in refused.stderr and "not-the-password" not in refused.stderr
