@@ -324,9 +324,11 @@ def test_a_run_stops_sending_once_every_language_is_decided(kafka_bootstrap, pre
     assert summary["unanswered"] == {"A": 0, "B": 0}  # what was sent was waited for
     # the checks run in the send loop: they must not hold the sends up (a first sacrebleu
     # import inside the loop once cost 115 ms; see test_mirror_replay_to_two_arms on the P99).
-    # 80 ms: the suite's two processes on two cores put the P90 at 56 ms once (2026-12-05)
+    # the suite's two processes on two cores put the P90 at 56 ms on an Intel Xeon (2026-12-05)
+    # and at 95 ms on a slower AMD EPYC Zen 3 (2026-12-06): 200 ms. A check that held up the
+    # sends would push every later send behind its schedule: the lags add up far past it.
     lags = sorted(abs(r["sent_ms"] - r["scheduled_ms"]) for r in requests_of(tmp_path / "run"))
-    assert lags[int(0.9 * len(lags))] < 80
+    assert lags[int(0.9 * len(lags))] < 200
     info = rd.read_run_info(tmp_path / "run")
     assert info["stopped_early"]["sent"] <= summary["sent"]
     assert info["stopped_early"]["verdicts"] == {

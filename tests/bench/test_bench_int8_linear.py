@@ -1,0 +1,23 @@
+"""bench/int8_linear.py on small shapes: both timed, the op checked against its reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import int8_linear
+
+
+def test_the_bench_times_both_and_checks_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import cpu_ops
+
+    if not cpu_ops.load():
+        pytest.skip(f"no C++ ops here: {cpu_ops.error()}")
+    monkeypatch.setattr(int8_linear, "SHAPES", {"small": (64, 96)})
+    out = int8_linear.run([1, 5], repeats=2, threads=1)
+    rows = out["shapes"]["small 64x96"]
+    assert set(rows) == {"1", "5"}
+    for r in rows.values():
+        assert r["float32_ms"] > 0 and r["int8_ms"] > 0
+        assert r["float32_over_int8"] == pytest.approx(r["float32_ms"] / r["int8_ms"], rel=0.05)
+        assert r["max_abs_err"] < 1e-3
+    assert isinstance(out["vector_loop"], bool) and out["machine"]["cpu_model"]
