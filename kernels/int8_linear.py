@@ -4,10 +4,9 @@ Two versions of the same signature:
 - `int8_linear_reference(x, w, scales)`: torch ops (dequantize, matmul); any device and dtype.
 - `int8_linear(x, w, scales)`: on the CPU with float32 `x`, the C++ op `tolk::int8_linear`
   (`kernels/cpu/int8_linear.cpp`: AVX-512, else AVX2 + FMA, OpenMP over output rows);
-  anywhere else, or when
-  the op is not loaded (`kernels.cpu_ops.load()`, which can fail without a toolchain), the
-  reference. Only a plain flag is read on the hot path, so compiled graphs trace it as a
-  constant.
+  anywhere else, or when the op is not loaded (`kernels.cpu_ops.load()`, which can fail
+  without a toolchain), the reference. Only a plain flag is read on the hot path, so compiled
+  graphs trace it as a constant.
 
 Why a kernel of our own: batch-1 decode on a CPU is bound by reading the weights. torch's
 `aten._weight_int8pack_mm` wants bfloat16 activations and spends more time widening int8 to
