@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import socket
 import threading
 import urllib.request
@@ -125,8 +126,8 @@ def test_headless_run_reports_the_replies_it_received(
     assert len(ids) == len(set(ids)) == summary["sent"]
     for lang, rate in RATES.items():
         mine = [r for r in rows if r["lang"] == lang]
-        # open loop: the configured rate over the window, whatever the replies took
-        assert abs(len(mine) - rate * DURATION_S) <= 1, (lang, len(mine))
+        # open loop: the schedule of rate x duration sends, whatever the replies or the host took
+        assert len(mine) == math.ceil(rate * DURATION_S), (lang, len(mine))
         assert {r["status"] for r in mine} == {"OK"}
         for r in mine:
             reply = got[r["request_id"]]

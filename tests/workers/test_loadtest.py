@@ -86,3 +86,48 @@ def test_importing_the_locust_user_leaves_threading_unpatched() -> None:
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "False", out.stderr
+
+
+class _LateBridge:
+    """A bridge whose every send holds the host up (a busy machine): the schedule runs late."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.due: list[float] = []
+
+    def send(self, lang: str, source_lang: str, text: str, scheduled_at: float) -> None:
+        import time
+
+        time.sleep(self.hold_s)  # blocks the greenlet, as a loaded CPU would
+        self.due.append(scheduled_at)
+
+    def drain(self) -> list[Completion]:
+        return []
+
+
+def test_a_late_host_still_sends_the_whole_schedule_and_no_more() -> None:
+    """Open loop: the count is `ceil(rate * duration)` with due times `k / rate`, however
+    late the sends go out (CI once sent 18 of a 16-send schedule when the stop came late)."""
+    import time
+
+    import gevent
+    from locust.env import Environment
+
+    from workers.loadtest.locustfile import language_user
+    from workers.loadtest.texts import LoadText
+
+    bridge = _LateBridge(hold_s=0.15)
+    texts = [LoadText(source_lang="en", text="Where is my parcel?")]
+    user_class = language_user("de", 10.0, texts, bridge, duration_s=0.45)  # type: ignore[arg-type]
+    user = user_class(Environment(user_classes=[user_class]))
+    started = time.monotonic()
+    greenlet = gevent.spawn(user.open_loop)
+    while not user_class.finished and time.monotonic() - started < 10:
+        gevent.sleep(0.01)
+    gevent.sleep(0.3)  # idling after the schedule sends nothing more
+    greenlet.kill()
+    assert user_class.finished
+    assert user_class.sent == len(bridge.due) == 5
+    gaps = [b - a for a, b in zip(bridge.due, bridge.due[1:], strict=False)]
+    assert all(abs(g - 0.1) < 1e-6 for g in gaps), gaps  # due times kept the rate, not the lag
+    assert time.monotonic() - started > 0.7  # the sends really did run late

@@ -123,7 +123,13 @@ def run_load(
     )
     bridge.start()
     users = [
-        language_user(lang, rate, texts[lang] if texts else support_mix(lang, seed=seed), bridge)
+        language_user(
+            lang,
+            rate,
+            texts[lang] if texts else support_mix(lang, seed=seed),
+            bridge,
+            duration_s=duration_s,
+        )
         for lang, rate in rates.items()
     ]
     env = Environment(user_classes=list(users), events=events)
@@ -141,6 +147,10 @@ def run_load(
     try:
         runner.start(len(users), spawn_rate=len(users))
         gevent.sleep(duration_s)
+        # Each user sends its schedule's fixed count; a busy host may run the last ones late.
+        late_by = time.monotonic() + timeout_s
+        while not all(u.finished for u in users) and time.monotonic() < late_by:
+            gevent.sleep(0.01)
         runner.stop()  # no more sends; replies still out are collected below
         window_s = time.monotonic() - started
         end = time.monotonic() + timeout_s + 5.0

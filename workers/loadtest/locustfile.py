@@ -4,9 +4,11 @@ Why a timer-driven user and not `constant_throughput`: `constant_throughput(r)` 
 closed loop, each user waits for its reply before the next task, so a worker slower than
 1/r holds the sends back and the tail latency it should show never happens (coordinated
 omission). Here each language has exactly one user (`fixed_count = 1`) whose single task is a
-schedule: send k goes out at `start + k / rate` through `KafkaBridge.send`, which returns at
-once; the reply is awaited on the bridge's event loop, and its latency counts from the
-scheduled time. The arrival rate is therefore the configured one whatever the worker does.
+schedule: send k goes out at `start + k / rate` for every k with `k / rate < duration`
+(`ceil(rate * duration)` sends, however late a busy host runs them) through
+`KafkaBridge.send`, which returns at once; the reply is awaited on the bridge's event loop,
+and its latency counts from the scheduled time. The arrival rate is therefore the configured
+one whatever the worker does.
 
 While it waits for the next due time the user drains finished requests from the bridge and
 fires them as Locust request events (`request_type="kafka"`, name = the language, failures
@@ -106,9 +108,11 @@ class KafkaLanguageUser(User):
     fixed_count = 1  # one timer per language: the rate is the user's, not the user count's
     lang: str = ""
     rate: float = 1.0  # requests per second
+    duration_s: float = float("inf")  # the schedule's length: sends due before it go out
     texts: Sequence[LoadText] = ()
     bridge: KafkaBridge | None = None
     sent: int = 0
+    finished: bool = False  # the whole schedule has been sent
 
     @task
     def open_loop(self) -> None:
@@ -119,6 +123,8 @@ class KafkaLanguageUser(User):
         start = time.monotonic()
         items = itertools.cycle(self.texts)
         for k in itertools.count():
+            if k * interval >= self.duration_s:
+                break
             due = start + k * interval
             while (now := time.monotonic()) < due:
                 fire_completions(self.environment, bridge.drain())
@@ -126,12 +132,21 @@ class KafkaLanguageUser(User):
             item = next(items)
             bridge.send(self.lang, item.source_lang, item.text, due)
             type(self).sent += 1
+        type(self).finished = True
+        while True:  # schedule done: report replies until the runner stops this user
+            fire_completions(self.environment, bridge.drain())
+            gevent.sleep(_IDLE_POLL_S)
 
 
 def language_user(
-    lang: str, rate: float, texts: Sequence[LoadText], bridge: KafkaBridge
+    lang: str,
+    rate: float,
+    texts: Sequence[LoadText],
+    bridge: KafkaBridge,
+    duration_s: float = float("inf"),
 ) -> type[KafkaLanguageUser]:
-    """A concrete user class for `lang` (Locust counts users per class)."""
+    """A concrete user class for `lang` (Locust counts users per class) that sends the
+    schedule of `duration_s` seconds."""
     return type(
         f"Kafka_{lang}",
         (KafkaLanguageUser,),
@@ -139,8 +154,10 @@ def language_user(
             "abstract": False,
             "lang": lang,
             "rate": rate,
+            "duration_s": duration_s,
             "texts": tuple(texts),
             "bridge": bridge,
             "sent": 0,
+            "finished": False,
         },
     )
