@@ -34,6 +34,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+BUILD_NICE = 10  # the C++ ops' background build yields to the start-up path (Linux nice)
+
 
 class StartRefused(Exception):
     """The worker cannot start as configured (nothing was consumed)."""
@@ -287,12 +289,24 @@ def _start_tuner(
 def _build_cpu_ops_in_background() -> None:
     """Start the C++ ops' first build (~20 s of g++ on a machine never seen, kernels/cpu_ops.py)
     now, beside the model's loading and conversion: the compiler runs in child processes, so
-    the two overlap on two cores. The ops' first user waits on `cpu_ops.load()`'s lock."""
+    the two overlap on two cores. The build thread runs at a lower priority (nice 10, which
+    the compiler it starts inherits): where the cores are few, the conversion on the way to
+    consuming goes first. The ops' first user waits on `cpu_ops.load()`'s lock."""
     import threading
 
     from kernels import cpu_ops
 
-    threading.Thread(target=cpu_ops.load, name="tolk-cpu-ops-build", daemon=True).start()
+    def build() -> None:
+        try:  # Linux: a thread id as PRIO_PROCESS sets that thread's nice, and its children's
+            tid = threading.get_native_id()
+            os.setpriority(
+                os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + BUILD_NICE, 19)
+            )
+        except (AttributeError, OSError):  # another OS: the build at the usual priority
+            pass
+        cpu_ops.load()
+
+    threading.Thread(target=build, name="tolk-cpu-ops-build", daemon=True).start()
 
 
 def _open_retriever(plan: WorkerPlan) -> Any:
