@@ -119,7 +119,8 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
         compile_decode=chosen.compile_decode,
         compile_in_background=True,  # consume at once, eager until the graphs are ready
         cache_dir=str(root),
-        warm_languages=tuple(settings.languages),  # each language's prefix cached up front
+        warm_languages=tuple(settings.languages),  # each language's prefix cached up front,
+        warm_in_background=True,  # as the loop's first work: the group join overlaps it
         max_new_tokens=max_new_tokens,
         max_num_seqs=cap.max_num_seqs,
         draft=plan.draft,
@@ -268,7 +269,8 @@ def _start_tuner(
         c = new.candidate
         config = replace(
             engine.config, dtype=c.dtype, quantize=c.quantize, compile_decode=c.compile_decode,
-            compile_in_background=False, max_num_seqs=cap.max_num_seqs,
+            compile_in_background=False, warm_in_background=False,  # never started: warm now
+            max_num_seqs=cap.max_num_seqs,
         )  # fmt: skip
         return Engine.from_config(config)
 

@@ -13,7 +13,9 @@
 // (flash-decoding): a chunk keeps its running max, its sum of exponentials and its unnormalised
 // output, and the chunks are merged by rescaling to the common max. The same function as the
 // torch path in kernels/attention.py (`decode_attention_reference`), up to float rounding.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h: ~4 s less of g++ per build
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

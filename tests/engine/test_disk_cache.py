@@ -46,12 +46,39 @@ def test_compile_caches_point_into_the_root_unless_set(
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/operator/choice")
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    for name in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.delenv(name, raising=False)
     disk_cache.configure_compile_caches(tmp_path)
     import os
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/operator/choice"
-    assert inductor_config.fx_graph_cache is True
+    assert inductor_config.fx_graph_cache is True  # imported already: set directly
+
+
+def test_a_fresh_process_gets_the_caches_from_the_variables(tmp_path: Path) -> None:
+    """Without importing inductor (2.6 s of a first start): the configs read the variables."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from workers.engine import disk_cache\n"
+        f"disk_cache.configure_compile_caches(Path({str(tmp_path)!r}))\n"
+        "assert 'torch._inductor.config' not in sys.modules\n"
+        "import torch._inductor.config as i, torch._functorch.config as f\n"
+        "print(i.fx_graph_cache, f.enable_autograd_cache)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR")}
+    env["TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT"] = "0"  # the caches off unless we switch them on
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
 
 
 def test_record_is_read_back_for_its_key_only(tmp_path: Path) -> None:
@@ -182,25 +209,27 @@ def test_linear_probe_choices_persist_per_cpu(
 
 
 @pytest.mark.slow
-def test_one_parse_conversion_writes_the_same_checkpoint(
+def test_the_fast_conversion_writes_transformers_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The conversion parses the GGUF once, from memory (workers/engine/gguf_parse.py: 40 s -> 10 s
-    for Gemma 3 270M); what it writes is byte for byte what transformers' own repeated memmap
-    parses write (converted here both ways: ~50 s)."""
+    """The conversion parses the GGUF once, from memory (workers/engine/gguf_parse.py: 40 s ->
+    10 s for Gemma 3 270M) and reads the weights without a transformers model
+    (workers/engine/gguf_convert.py); what it writes is byte for byte what transformers' own
+    model path with its repeated memmap parses writes (converted here both ways: ~50 s)."""
     import contextlib
     import filecmp
 
     import gguf
 
     _, path = loader.resolve_source("gemma3-270m")
-    loader._convert_gguf(path, tmp_path / "one_parse")
+    loader._convert_gguf(path, tmp_path / "fast")
     assert gguf.GGUFReader.__name__ == "GGUFReader"  # the patch is gone after the conversion
     monkeypatch.setattr(gguf_parse, "one_gguf_parse", contextlib.nullcontext)
-    loader._convert_gguf(path, tmp_path / "transformers")
+    loader._convert_gguf(path, tmp_path / "transformers", via_transformers=True)
     names = sorted(p.name for p in (tmp_path / "transformers").iterdir())
-    assert "model.safetensors" in names
+    assert "model.safetensors" in names and "config.json" in names
+    assert names == sorted(p.name for p in (tmp_path / "fast").iterdir())
     for name in names:
-        if name != loader.TOLK_CONFIG:  # holds the source path only
-            a, b = tmp_path / "transformers" / name, tmp_path / "one_parse" / name
+        if name != loader.TOLK_CONFIG:  # holds the target's name
+            a, b = tmp_path / "transformers" / name, tmp_path / "fast" / name
             assert filecmp.cmp(a, b, shallow=False), name

@@ -248,3 +248,28 @@ def test_max_new_tokens_and_exact_length(engine: Engine) -> None:
     (res,) = engine.generate([req])
     assert res.finish_reason is FinishReason.LENGTH
     assert res.tokens_out == 7 == len(res.token_ids)
+
+
+def test_a_background_warm_up_is_the_loops_first_work(smollm2: Any) -> None:
+    """`warm_in_background` (the worker's start): nothing warmed when `from_config` returns;
+    once the loop runs it computes the prefixes, a request submitted at once is answered
+    beside them, and a later one finds its language's prefix cached."""
+    config = EngineConfig(
+        model="smollm2-135m", kv_cache_tokens=4096, max_new_tokens=8,
+        warm_languages=("de", "fr"), warm_in_background=True,
+    )  # fmt: skip
+    engine = Engine.from_config(config, loaded=smollm2)
+    assert engine.warmed_languages == set() and engine.stats.prefill_tokens == 0
+    engine.start()
+    try:
+        handle = engine.submit(engine.translation_request("Where is my parcel?", "en", "de"))
+        res = handle.result(120)
+        deadline = time.monotonic() + 30
+        while engine.warmed_languages != {"de", "fr"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        later = engine.submit(engine.translation_request("My order is late.", "en", "fr"))
+        res_later = later.result(120)
+    finally:
+        engine.stop()
+    assert res.ok and engine.warmed_languages == {"de", "fr"}
+    assert res_later.ok and res_later.cached_tokens == len(engine.prompts.prefix_ids("fr"))

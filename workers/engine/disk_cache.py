@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -60,17 +61,22 @@ def cache_root(override: str | os.PathLike[str] | None = None) -> Path:
 
 def configure_compile_caches(root: Path) -> None:
     """Inductor's FX graph and AOTAutograd caches on disk under `root/inductor`, the C++ ops'
-    build under `root/torch_extensions` (unless the operator set either variable)."""
+    build under `root/torch_extensions` (unless the operator set either variable).
+
+    The caches are switched on through the variables torch's configs read when first imported
+    (importing `torch._inductor.config` here cost 2.6 s of a first start's path to consuming,
+    for a compiler that runs later, in the background); a config already imported is set
+    directly."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
-    try:
-        import torch._inductor.config as inductor_config
-
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
         inductor_config.fx_graph_cache = True
-        if hasattr(inductor_config, "autograd_cache"):
-            inductor_config.autograd_cache = True
-    except ImportError:  # a torch without inductor: nothing compiles, nothing to cache
-        pass
+    functorch_config = sys.modules.get("torch._functorch.config")
+    if functorch_config is not None:
+        functorch_config.enable_autograd_cache = True
 
 
 def cpu_fingerprint() -> str:

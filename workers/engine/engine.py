@@ -193,6 +193,7 @@ class Engine:
         # Read by the worker's probes (workers/health.py), written by one thread each:
         self.loop_heartbeat: float | None = None  # monotonic time the loop last came round
         self.warmed_languages: set[str] = set()  # languages whose prompt prefix warm() cached
+        self.warm_at_start: tuple[str, ...] = ()  # languages start() warms on the loop thread
         # written by the tuner (workers/engine/tuner.py), read by /readyz and the metrics
         self.config_report: ConfigReport | None = None
         self._pending_switch: tuple[Engine, threading.Event] | None = None
@@ -243,7 +244,9 @@ class Engine:
                 compiled.warm_up()
             release_openmp_pool()
         warm = [lang for lang in config.warm_languages if lang in engine.languages]
-        if warm:
+        if warm and config.warm_in_background:
+            engine.warm_at_start = tuple(warm)  # submitted by start(), ahead of any request
+        elif warm:
             engine.warm(warm)  # synchronous: the loop thread is not running yet
         if compiled is not None and background:
             compiled.warm_up_in_background()  # eager until ready (compiled.py)
@@ -373,6 +376,9 @@ class Engine:
         count; the caller's OpenMP pool is released first (see `workers.engine.threads`)."""
         if self._thread is None:
             self._stop.clear()
+            if self.warm_at_start:  # first in the inbox: the loop's first step computes them
+                self._submit_warm(self.warm_at_start)
+                self.warm_at_start = ()
             n_threads = torch.get_num_threads()
             release_openmp_pool()
             self._thread = threading.Thread(
@@ -446,13 +452,27 @@ class Engine:
 
     def warm(self, languages: Sequence[str]) -> None:
         """Compute each language's prompt prefix once so its blocks sit in the prefix cache."""
-        reqs = []
-        for lang in languages:
-            ids = self.prompts.prefix_ids(lang)
-            rid = f"warm-{lang}-{uuid.uuid4().hex[:8]}"
-            reqs.append(GenerationRequest(rid, ids, SamplingParams(max_new_tokens=1)))
-        self.generate(reqs)
+        self.generate([self._warm_request(lang) for lang in languages])
         self.warmed_languages.update(languages)
+
+    def _warm_request(self, lang: str) -> GenerationRequest:
+        ids = self.prompts.prefix_ids(lang)
+        rid = f"warm-{lang}-{uuid.uuid4().hex[:8]}"
+        return GenerationRequest(rid, ids, SamplingParams(max_new_tokens=1))
+
+    def _submit_warm(self, languages: Sequence[str]) -> None:
+        """`warm` without waiting (`warm_in_background`): each language counts as warmed when
+        its prefix request finishes on the loop thread."""
+
+        def warmed(lang: str) -> Callable[[GenerationResult], None]:
+            def note(result: GenerationResult) -> None:
+                if result.ok:
+                    self.warmed_languages.add(lang)
+
+            return note
+
+        for lang in languages:
+            self.submit(self._warm_request(lang)).add_done_callback(warmed(lang))
 
     # -- a change of model side (the tuner's) ----------------------------------------------
     MODEL_SIDE = (

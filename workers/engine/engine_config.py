@@ -69,6 +69,10 @@ class EngineConfig:
     # request may name another (Engine.translation_request(prompt_form=))
     prompt_form: str | None = None
     warm_languages: tuple[str, ...] = ()  # prompt prefixes computed at start-up
+    # True: those prefixes are the loop's first work once `start()` runs, not computed before
+    # `from_config` returns (the worker: consuming, and joining its group, meanwhile; /readyz
+    # names the languages still cold)
+    warm_in_background: bool = False
     model_version: str = ""  # the A/B arm name on replies; default: model name
     # what is computed once per machine (dequantized weights, inductor's caches, the C++ ops'
     # build): workers/engine/disk_cache.py; None: TOLK_CACHE_DIR or ~/.cache/tolk

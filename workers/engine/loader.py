@@ -6,9 +6,11 @@ Sources (Llama, Gemma 3, Qwen 2 / 2.5 and Qwen 3 text models):
 - a Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer). Never the
   hub: nothing is downloaded.
 
-GGUF is read through transformers' GGUF reader, which dequantizes to float, with its metadata
-parsed once and fast (`gguf_parse.py`: Gemma 3 270M's conversion took ~40 s, most of it parsing
-its 262k-token vocabulary again and again). That happens once per file: the result is written
+GGUF is dequantized to float by `gguf_convert.py` (gguf's own dequantization and
+transformers' name map and fix-ups, without building a transformers model: ~10 s of a first
+start; another family goes through transformers' GGUF reader), with its metadata parsed once
+and fast (`gguf_parse.py`: Gemma 3 270M's conversion took ~40 s, most of it parsing its
+262k-token vocabulary again and again). That happens once per file: the result is written
 as a plain HF checkpoint directory (float32 safetensors in transformers' names, config.json,
 the tokenizer, plus our own `tolk_config.json`) under `<cache root>/weights/<hash>/`
 (`disk_cache.cache_root()`: TOLK_CACHE_DIR, else ~/.cache/tolk), the hash covering the file's
@@ -17,7 +19,8 @@ safetensors -> rename to our names -> cast -> `load_state_dict(assign=True)` int
 on the meta device, so no random init runs. Keeping the cache in transformers' format means the
 parity reference (`load_reference_hf_model`) reads exactly the same dequantized weights, fast.
 A GGUF whose SentencePiece-BPE vocab has no merges (Gemma) gets its tokenizer rebuilt by
-`gguf_tokenizer.py` before the conversion saves it.
+`gguf_tokenizer.py` before the conversion saves it; the converting process keeps that object
+rather than reading the files back.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from workers.engine import gguf_parse
+from workers.engine import gguf_convert, gguf_parse
 from workers.engine.config import ModelConfig
 from workers.engine.disk_cache import cache_root
 from workers.engine.gguf_tokenizer import spm_bpe_tokenizer
@@ -49,6 +52,8 @@ log = logging.getLogger(__name__)
 HASH_CHUNK = 16 * 1024 * 1024  # bytes hashed at each end of a GGUF file
 TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
+# directory -> the tokenizer this process converted and saved there (`_tokenizer` takes it)
+_SAVED_TOKENIZERS: dict[str, Any] = {}
 
 
 @dataclass
@@ -135,23 +140,37 @@ def _cache_entry_problem(target: Path) -> str | None:
     return None
 
 
-def _convert_gguf(path: Path, target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _convert_gguf(path: Path, target: Path, *, via_transformers: bool = False) -> None:
+    """Write the GGUF at `path` as a checkpoint directory `target` (atomically). The weights
+    are read by `gguf_convert.py` for the families it knows (no transformers model built),
+    else, or with `via_transformers`, by transformers' model path: the same files."""
     t0 = time.perf_counter()
+    hf_model = None
     with gguf_parse.one_gguf_parse():  # one fast parse for every reader (gguf_parse.py)
         tokenizer = spm_bpe_tokenizer(path)
         if tokenizer is None:
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-    config = ModelConfig.from_hf(hf_model.config)
+        direct = None if via_transformers else gguf_convert.read_gguf_checkpoint(path)
+        if direct is None:
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
+            hf_config = hf_model.config
+        else:
+            hf_config, state = direct
+    config = ModelConfig.from_hf(hf_config)
     log.info("dequantized %s in %.1fs", path.name, time.perf_counter() - t0)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
     try:
-        hf_model.save_pretrained(tmp, safe_serialization=True)
+        if hf_model is not None:
+            hf_model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            gguf_convert.save_checkpoint(tmp, hf_config, state)
         tokenizer.save_pretrained(tmp)
         meta = {
             "cache_version": CACHE_VERSION,
@@ -162,6 +181,7 @@ def _convert_gguf(path: Path, target: Path) -> None:
         (tmp / TOLK_CONFIG).write_text(json.dumps(meta, indent=2))
         try:
             tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+            _SAVED_TOKENIZERS[str(target)] = tokenizer
         except OSError:
             if not (target / TOLK_CONFIG).exists():
                 raise
@@ -318,14 +338,18 @@ def _tokenizer(directory: str, eos_id: int | None, eos_ids: tuple[int, ...]) -> 
     """The checkpoint's tokenizer, read once per process (Gemma 3's 262k-piece BPE takes
     2-70 s to parse, depending on the machine's load; the auto configuration's probe loads the
     model once per candidate). Shared by every model loaded from the directory: nothing
-    changes a tokenizer after this."""
-    from transformers import AutoTokenizer
+    changes a tokenizer after this. The process that converted the directory uses the object
+    it saved there instead of reading it back (2-5 s of a first start; the files are its
+    serialization, tests/engine/test_gguf_convert.py holds the two equal)."""
+    tokenizer = _SAVED_TOKENIZERS.pop(directory, None)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    # fix_mistral_regex=False: transformers 4.57.3-4.57.6 warns of "an incorrect regex pattern"
-    # for every local checkpoint that version saved, Mistral or not (its check reads only the
-    # config's transformers_version); False states that no Mistral fix applies, and changes
-    # nothing (Qwen's pattern is checked by the parity tests)
-    tokenizer = AutoTokenizer.from_pretrained(directory, fix_mistral_regex=False)
+        # fix_mistral_regex=False: transformers 4.57.3-4.57.6 warns of "an incorrect regex
+        # pattern" for every local checkpoint that version saved, Mistral or not (its check
+        # reads only the config's transformers_version); False states that no Mistral fix
+        # applies, and changes nothing (Qwen's pattern is checked by the parity tests)
+        tokenizer = AutoTokenizer.from_pretrained(directory, fix_mistral_regex=False)
     if eos_id is not None and tokenizer.eos_token_id not in eos_ids:
         # transformers' GGUF Llama converter sets eos = bos (SmolLM2: <|im_start|>); the
         # model config read from the same GGUF has the right id
