@@ -115,7 +115,7 @@ def fake_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, li
     gguf.write_bytes(b"GGUF" + bytes(range(200)))
     calls: list[Path] = []
 
-    def convert(path: Path, target: Path) -> None:
+    def convert(path: Path, target: Path, **_: object) -> None:
         calls.append(target)
         target.mkdir(parents=True)
         save_file({"w": torch.ones(4)}, str(target / "model.safetensors"))

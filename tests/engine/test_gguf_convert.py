@@ -99,3 +99,79 @@ def test_the_converting_process_keeps_the_tokenizer_it_saved(
         assert str(target) not in loader._SAVED_TOKENIZERS
     finally:
         loader._tokenizer.cache_clear()
+
+
+def test_a_first_load_serves_from_memory_while_the_cache_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load_model` on an empty cache: the model from the converted weights in memory, the
+    weights file written by a thread, the entry published when complete and then byte for
+    byte a synchronous conversion's, even with the model prepared for serving meanwhile
+    (int8 swaps); a second load in the process waits for the file and reads it."""
+    import threading
+
+    from workers.engine.prepare import Preparation, prepare_model
+
+    written = threading.Event()
+    slow = gguf_convert.save_weights
+
+    def save_weights_later(directory: Path, state: dict[str, torch.Tensor]) -> None:
+        assert written.wait(60)  # held until the load has returned and prepared the model
+        slow(directory, state)
+
+    monkeypatch.setattr(gguf_convert, "save_weights", save_weights_later)
+    first = loader.load_model("smollm2-135m", cache_dir=tmp_path / "weights")
+    (entry,) = loader._WRITERS  # the writer still holds the entry back
+    assert not Path(entry).exists()
+    prepare_model(first, Preparation(quantize="int8"))
+    written.set()
+    second = loader.load_model("smollm2-135m", cache_dir=tmp_path / "weights")
+    assert Path(entry).is_dir() and not loader._WRITERS
+    assert second.source_hash == first.source_hash == Path(entry).name
+    monkeypatch.setattr(gguf_convert, "save_weights", slow)
+    _, path = loader.resolve_source("smollm2-135m")
+    loader._convert_gguf(path, tmp_path / "sync")
+    assert filecmp.cmp(
+        Path(entry) / "model.safetensors", tmp_path / "sync" / "model.safetensors", shallow=False
+    )
+
+
+def test_a_failed_background_write_leaves_no_entry_and_serving_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(directory: Path, state: dict[str, torch.Tensor]) -> None:
+        (directory / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_convert, "save_weights", full_disk)
+    loaded = loader.load_model("smollm2-135m", cache_dir=tmp_path / "weights")
+    for writer in list(loader._WRITERS.values()):
+        writer.join(60)
+    assert not loader._WRITERS
+    assert list((tmp_path / "weights").iterdir()) == []  # neither the entry nor its temp dir
+    assert loaded.tokenizer("Where is my parcel?")["input_ids"]
+    assert loaded.model.embed.weight.shape[0] == loaded.config.vocab_size
+    assert torch.isfinite(loaded.model.embed.weight).all()
+
+
+def test_the_safetensors_writer_writes_safetensors_own_bytes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.10.mlp.up_proj.weight": torch.randn(7, 5, generator=g),
+        "model.layers.2.mlp.up_proj.weight": torch.randn(3, 5, generator=g),
+        "model.norm.weight": torch.randn(5, generator=g),
+        "lm_head.weight": torch.randn(11, 5, generator=g).t().contiguous().t(),  # a view
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 4),
+    }
+    for metadata in ({"format": "pt"}, {}):
+        ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+        gguf_convert.write_safetensors(ours, tensors, metadata)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(theirs), metadata or None)
+        assert ours.read_bytes() == theirs.read_bytes()
+        back = load_file(str(ours))
+        assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="float32"):
+        gguf_convert.write_safetensors(ours, {"w": torch.ones(2, dtype=torch.float16)}, {})

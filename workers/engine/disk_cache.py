@@ -71,10 +71,10 @@ def configure_compile_caches(root: Path) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / "torch_extensions"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    inductor_config = sys.modules.get("torch._inductor.config")
+    inductor_config: Any = sys.modules.get("torch._inductor.config")
     if inductor_config is not None:
         inductor_config.fx_graph_cache = True
-    functorch_config = sys.modules.get("torch._functorch.config")
+    functorch_config: Any = sys.modules.get("torch._functorch.config")
     if functorch_config is not None:
         functorch_config.enable_autograd_cache = True
 

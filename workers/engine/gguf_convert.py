@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CAUSAL_LM_CLASSES", "read_gguf_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CAUSAL_LM_CLASSES",
+    "read_gguf_checkpoint",
+    "save_config",
+    "save_weights",
+    "write_safetensors",
+]
 
 # config.model_type -> transformers' causal LM class: the families tolk's model file runs
 CAUSAL_LM_CLASSES = {
@@ -123,14 +129,58 @@ def read_gguf_checkpoint(path: Path) -> tuple[Any, dict[str, torch.Tensor]] | No
     return config, state
 
 
-def save_checkpoint(directory: Path, config: Any, state: dict[str, torch.Tensor]) -> None:
-    """Write `state` and `config` as transformers' `save_pretrained` of the model does."""
-    from safetensors.torch import save_file
+def save_config(directory: Path, config: Any) -> None:
+    """`config.json` and `generation_config.json` as the model's `save_pretrained` writes them."""
     from transformers import GenerationConfig
 
     config.architectures = [CAUSAL_LM_CLASSES[config.model_type]]
     config.dtype = torch.float32
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
-    tensors = {name: t.contiguous() for name, t in state.items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_weights(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """`model.safetensors` as the model's `save_pretrained` writes it (one file, `format: pt`),
+    through `write_safetensors`."""
+    write_safetensors(directory / "model.safetensors", state, {"format": "pt"})
+
+
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """The bytes `safetensors.torch.save_file` writes for float32 tensors, written from the
+    tensors' own memory with the GIL released: safetensors copies every tensor to `bytes` and
+    writes them holding the GIL, which stalled a first start's main thread ~5 s while the
+    weights were written beside it (loader.py, `weights_in_background`).
+
+    The format, as safetensors 0.6 lays it out: an 8-byte little-endian header length, the
+    header (compact JSON: `__metadata__`, then each tensor's dtype, shape and byte range in
+    file order, padded with spaces to a multiple of 8), the tensors' bytes sorted by name
+    (all of one dtype). tests/engine/test_gguf_convert.py holds the bytes equal to
+    safetensors' own."""
+    import json
+    import struct
+
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        raise ValueError("write_safetensors writes float32 tensors only")
+    names = sorted(tensors)
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name in names:
+            data = tensors[name].detach().contiguous()
+            if data.numel():
+                f.write(data.numpy().data.cast("B"))  # the write releases the GIL

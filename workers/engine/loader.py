@@ -20,7 +20,13 @@ on the meta device, so no random init runs. Keeping the cache in transformers' f
 parity reference (`load_reference_hf_model`) reads exactly the same dequantized weights, fast.
 A GGUF whose SentencePiece-BPE vocab has no merges (Gemma) gets its tokenizer rebuilt by
 `gguf_tokenizer.py` before the conversion saves it; the converting process keeps that object
-rather than reading the files back.
+rather than reading the files back, and `load_model` in that process takes the converted
+weights from memory while a thread writes them (`_convert_gguf`, `weights_in_background`:
+~4 s of a first start; the directory appears, complete, when the file is written, and
+another load of the same file in the process waits for it).
+
+One concern, over 400 lines: a model source to our `Transformer`, through the one cache of
+converted weights (its entry checks, the conversion, the renames to our parameter names).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +61,8 @@ TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
 # directory -> the tokenizer this process converted and saved there (`_tokenizer` takes it)
 _SAVED_TOKENIZERS: dict[str, Any] = {}
+# directory -> the thread still writing its converted weights (`_convert_gguf`)
+_WRITERS: dict[str, threading.Thread] = {}
 
 
 @dataclass
@@ -94,18 +103,32 @@ def file_hash(path: Path) -> str:
 
 
 def checkpoint_dir(source: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """An HF checkpoint directory for `source`, dequantizing a GGUF into the cache if needed."""
+    """An HF checkpoint directory for `source`, dequantizing a GGUF into the cache if needed
+    (written in full when this returns)."""
+    directory, _ = _checkpoint(source, cache_dir, weights_in_background=False)
+    return directory
+
+
+def _checkpoint(
+    source: str, cache_dir: str | os.PathLike[str] | None, *, weights_in_background: bool
+) -> tuple[Path, Converted | None]:
+    """`checkpoint_dir`, and the conversion's result in memory when this call converted:
+    with `weights_in_background` its weights file is still being written (`_write_weights`)
+    and the directory appears when it is."""
     _, path = resolve_source(source)
     if path.is_dir():
-        return path
+        return path, None
     if path.suffix != ".gguf":
         raise ValueError(f"{path}: expected a .gguf file or a checkpoint directory")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / file_hash(path)
+    writer = _WRITERS.get(str(target))
+    if writer is not None:
+        writer.join()  # this process converted it a moment ago: read it once it is written
     if target.exists():
         problem = _cache_entry_problem(target)
         if problem is None:
-            return target
+            return target, None
         if problem == "stale":
             log.info("%s: stale cache format, converting again", target)
         else:
@@ -113,8 +136,7 @@ def checkpoint_dir(source: str, cache_dir: str | os.PathLike[str] | None = None)
                 "%s: cache entry is corrupt (%s): converting %s again", target, problem, path
             )
         shutil.rmtree(target)
-    _convert_gguf(path, target)
-    return target
+    return target, _convert_gguf(path, target, weights_in_background=weights_in_background)
 
 
 def _cache_entry_problem(target: Path) -> str | None:
@@ -140,10 +162,24 @@ def _cache_entry_problem(target: Path) -> str | None:
     return None
 
 
-def _convert_gguf(path: Path, target: Path, *, via_transformers: bool = False) -> None:
-    """Write the GGUF at `path` as a checkpoint directory `target` (atomically). The weights
-    are read by `gguf_convert.py` for the families it knows (no transformers model built),
-    else, or with `via_transformers`, by transformers' model path: the same files."""
+@dataclass
+class Converted:
+    """A GGUF conversion's result in memory, for the load in the process that converted."""
+
+    state: dict[str, torch.Tensor]  # float32, transformers' names
+    meta: dict[str, Any]  # what `tolk_config.json` holds
+
+
+def _convert_gguf(
+    path: Path, target: Path, *, via_transformers: bool = False, weights_in_background: bool = False
+) -> Converted | None:
+    """Write the GGUF at `path` as a checkpoint directory `target` (atomically: built under a
+    temporary name, renamed when complete). The weights are read by `gguf_convert.py` for the
+    families it knows (no transformers model built), else, or with `via_transformers`, by
+    transformers' model path: the same files. Returns the weights and metadata in memory
+    where `gguf_convert.py` read them (None after transformers' path); with
+    `weights_in_background` the weights file (~1 GB for Gemma 3 270M, ~4 s of a first start)
+    is written by a thread of its own (`_write_weights`) after this returns."""
     t0 = time.perf_counter()
     hf_model = None
     with gguf_parse.one_gguf_parse():  # one fast parse for every reader (gguf_parse.py)
@@ -166,30 +202,65 @@ def _convert_gguf(path: Path, target: Path, *, via_transformers: bool = False) -
     log.info("dequantized %s in %.1fs", path.name, time.perf_counter() - t0)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    meta = {
+        "cache_version": CACHE_VERSION,
+        "source": str(path),
+        "source_hash": target.name,
+        "model": config.to_dict(),
+    }
     try:
         if hf_model is not None:
             hf_model.save_pretrained(tmp, safe_serialization=True)
         else:
-            gguf_convert.save_checkpoint(tmp, hf_config, state)
+            gguf_convert.save_config(tmp, hf_config)
         tokenizer.save_pretrained(tmp)
-        meta = {
-            "cache_version": CACHE_VERSION,
-            "source": str(path),
-            "source_hash": target.name,
-            "model": config.to_dict(),
-        }
         (tmp / TOLK_CONFIG).write_text(json.dumps(meta, indent=2))
-        try:
-            tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
-            _SAVED_TOKENIZERS[str(target)] = tokenizer
-        except OSError:
-            if not (target / TOLK_CONFIG).exists():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process converted it meanwhile
+        _SAVED_TOKENIZERS[str(target)] = tokenizer
+        if hf_model is not None:
+            _publish(tmp, target)
+            log.info("cached %s as %s in %.1fs", path.name, target, time.perf_counter() - t0)
+            return None
+        if not weights_in_background:
+            _write_weights(tmp, target, state, t0, background=False)
+            return Converted(state, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("cached %s as %s in %.1fs", path.name, target, time.perf_counter() - t0)
+    writer = threading.Thread(
+        target=_write_weights, args=(tmp, target, state, t0), name="tolk-weights-cache"
+    )  # not a daemon: an exit waits for the file rather than leave a half-written one
+    _WRITERS[str(target)] = writer
+    writer.start()
+    return Converted(state, meta)
+
+
+def _write_weights(
+    tmp: Path, target: Path, state: dict[str, torch.Tensor], t0: float, background: bool = True
+) -> None:
+    """The weights file, then the directory published. In the background a failure (a full
+    disk) is logged and leaves no entry: serving goes on from memory, the next start converts
+    again."""
+    try:
+        gguf_convert.save_weights(tmp, state)
+        _publish(tmp, target)
+        log.info("cached %s in %.1fs", target, time.perf_counter() - t0)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not background:
+            raise
+        log.warning("%s: the converted weights were not cached (%s): the next start converts "
+                    "again", target, exc)  # fmt: skip
+    finally:
+        _WRITERS.pop(str(target), None)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    try:
+        tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+    except OSError:
+        if not (target / TOLK_CONFIG).exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it meanwhile
 
 
 _LAYER_RENAMES = {
@@ -318,11 +389,15 @@ def load_model(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name, _ = resolve_source(source)
-    directory = checkpoint_dir(source, cache_dir)
+    directory, converted = _checkpoint(source, cache_dir, weights_in_background=True)
     t1 = time.perf_counter()
-    config = _read_config(directory)
-
-    model = model_from_hf_state_dict(_read_state_dict(directory), config, dtype, device)
+    if converted is not None:  # converted just now: its weights are in memory already
+        config = ModelConfig.from_dict(converted.meta["model"])
+        hf_state, source_hash = converted.state, str(converted.meta["source_hash"])
+    else:
+        config = _read_config(directory)
+        hf_state, source_hash = _read_state_dict(directory), _directory_hash(directory)
+    model = model_from_hf_state_dict(hf_state, config, dtype, device)
     t2 = time.perf_counter()
     tokenizer = _tokenizer(str(directory), config.eos_token_id, config.eos_token_ids)
     t3 = time.perf_counter()
@@ -330,7 +405,7 @@ def load_model(
         "loaded %s (%s, %s on %s) in %.1fs: source %.1fs, weights %.1fs, tokenizer %.1fs",
         name, config.arch, dtype, device, t3 - t0, t1 - t0, t2 - t1, t3 - t2,
     )  # fmt: skip
-    return LoadedModel(model, config, tokenizer, name, _directory_hash(directory))
+    return LoadedModel(model, config, tokenizer, name, source_hash)
 
 
 @functools.cache
