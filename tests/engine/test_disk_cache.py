@@ -233,3 +233,26 @@ def test_the_fast_conversion_writes_transformers_checkpoint(
         if name != loader.TOLK_CONFIG:  # holds the target's name
             a, b = tmp_path / "transformers" / name, tmp_path / "fast" / name
             assert filecmp.cmp(a, b, shallow=False), name
+
+
+def test_a_conversion_killed_halfway_is_cleaned_up_and_a_live_one_kept(
+    tmp_path: Path, fake_gguf: tuple[Path, list[Path]], caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+    import time
+
+    gguf, calls = fake_gguf
+    weights = tmp_path / "weights"
+    target = weights / loader.file_hash(gguf)
+    dead, alive = Path(f"{target}.tmpdead"), Path(f"{target}.tmpalive")
+    for d in (dead, alive):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"partial")
+    old = time.time() - loader.STALE_CONVERSION_S - 60
+    for p in (dead, dead / "model.safetensors"):
+        os.utime(p, (old, old))
+    with caplog.at_level(logging.WARNING):
+        assert loader.checkpoint_dir(str(gguf), weights) == target
+    assert calls == [target]
+    assert not dead.exists() and alive.exists()  # another process's conversion, still writing
+    assert "stopped halfway" in caplog.text

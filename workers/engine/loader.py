@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 HASH_CHUNK = 16 * 1024 * 1024  # bytes hashed at each end of a GGUF file
 TOLK_CONFIG = "tolk_config.json"
 CACHE_VERSION = 2  # bump when the cached layout or the tokenizer conversion changes
+STALE_CONVERSION_S = 600.0  # a temporary conversion directory untouched this long is dead
 # directory -> the tokenizer this process converted and saved there (`_tokenizer` takes it)
 _SAVED_TOKENIZERS: dict[str, Any] = {}
 # directory -> the thread still writing its converted weights (`_convert_gguf`)
@@ -136,7 +137,23 @@ def _checkpoint(
                 "%s: cache entry is corrupt (%s): converting %s again", target, problem, path
             )
         shutil.rmtree(target)
+    _remove_dead_conversions(target)
     return target, _convert_gguf(path, target, weights_in_background=weights_in_background)
+
+
+def _remove_dead_conversions(target: Path, stale_after_s: float = STALE_CONVERSION_S) -> None:
+    """Remove what conversions of `target` killed halfway left (`<hash>.tmp*` directories, ~1 GB
+    each for Gemma 3 270M): those where nothing was written for `stale_after_s`; a conversion
+    alive in another process writes its weights file continuously."""
+    now = time.time()
+    for tmp in target.parent.glob(target.name + ".tmp*"):
+        try:
+            stamps = [tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.iterdir()]
+        except OSError:
+            continue  # published or removed meanwhile
+        if now - max(stamps) > stale_after_s:
+            log.warning("%s: removing a conversion that was stopped halfway", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cache_entry_problem(target: Path) -> str | None:
