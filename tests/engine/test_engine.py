@@ -250,6 +250,25 @@ def test_max_new_tokens_and_exact_length(engine: Engine) -> None:
     assert res.tokens_out == 7 == len(res.token_ids)
 
 
+def test_a_warm_up_marks_only_the_languages_whose_prefix_was_computed(
+    smollm2: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`warm` (the tuner's candidates) and the background warm-up agree: a language whose
+    prefix request did not finish (here: its deadline already past, EXPIRED) is not warm."""
+    engine = Engine(smollm2, EngineConfig(kv_cache_tokens=4096, max_new_tokens=8))
+    build = engine._warm_request
+
+    def expired_fr(lang: str) -> GenerationRequest:
+        request = build(lang)
+        if lang == "fr":
+            request.deadline = time.monotonic() - 1.0
+        return request
+
+    monkeypatch.setattr(engine, "_warm_request", expired_fr)
+    engine.warm(["de", "fr"])
+    assert engine.warmed_languages == {"de"}
+
+
 def test_a_background_warm_up_is_the_loops_first_work(smollm2: Any) -> None:
     """`warm_in_background` (the worker's start): nothing warmed when `from_config` returns;
     once the loop runs it computes the prefixes, a request submitted at once is answered

@@ -451,9 +451,12 @@ class Engine:
         return [h.result(0) for h in handles]
 
     def warm(self, languages: Sequence[str]) -> None:
-        """Compute each language's prompt prefix once so its blocks sit in the prefix cache."""
-        self.generate([self._warm_request(lang) for lang in languages])
-        self.warmed_languages.update(languages)
+        """Compute each language's prompt prefix once so its blocks sit in the prefix cache;
+        a language counts as warmed only if its prefix request finished (as `_submit_warm`)."""
+        results = self.generate([self._warm_request(lang) for lang in languages])
+        self.warmed_languages.update(
+            lang for lang, result in zip(languages, results, strict=True) if result.ok
+        )
 
     def _warm_request(self, lang: str) -> GenerationRequest:
         ids = self.prompts.prefix_ids(lang)
