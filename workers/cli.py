@@ -274,6 +274,14 @@ def worker(
             "qwen2.5-coder-1.5b."
         ),
     ] = None,
+    cascade_early: Annotated[
+        bool,
+        typer.Option(
+            "--cascade-early/--no-cascade-early",
+            help="Stop the small model's answer as soon as its score so far falls under the "
+            "threshold and defer at once (the same decision; a total signal only).",
+        ),
+    ] = True,
     auto: Annotated[
         bool,
         typer.Option(
@@ -399,6 +407,7 @@ def worker(
         draft=draft,
         cascade=cascade,
         cascade_thresholds=cascade_thresholds,
+        cascade_early=cascade_early,
         auto=auto,
         tm_examples=tm_examples,
         tm_dir=tm_dir,

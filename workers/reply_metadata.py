@@ -56,7 +56,7 @@ CONTEXT_RETRY = "tolk.context.retry"  # why the turn ran again without history
 # --------------------------
 CASCADE = "tolk.cascade"  # small (kept) / deferred (the large model answered) / deadline
 CASCADE_SCORE = "tolk.cascade.score"  # the deferral signal's value ("-0.731"), when computed
-CASCADE_REASON = "tolk.cascade.reason"  # why deferred or not: score / check / failed / late
+CASCADE_REASON = "tolk.cascade.reason"  # why: score / early / check / failed / late
 # -- drills (workers/stages/drill/stage.py)
 # ------------------------------------------------------------
 DRILL = "tolk.drill"  # the faults injected: latency / error / error+latency

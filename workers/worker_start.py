@@ -70,6 +70,7 @@ class WorkerPlan:
     draft: str | None = None  # speculative decoding's proposer ("ngram"); None: none
     cascade: str | None = None  # the cascade's large model (a preset); None: no cascade
     cascade_thresholds: Path | None = None  # its thresholds file; None: the packaged one
+    cascade_early: bool = True  # the small answer stops once its total is under the threshold
 
 
 def run_worker(settings: Any, plan: WorkerPlan) -> int:
@@ -231,7 +232,7 @@ def _cascade_setup(settings: Any, plan: WorkerPlan, root: Path, small_config: An
         release_pool_when_idle=True,  # idle most of the time: its threads go back meanwhile
     )
     log.info("cascade: %s on %s (%s)", large_model, chosen.label, choice.reason)
-    return CascadeSetup(Engine.from_config(config), thresholds)
+    return CascadeSetup(Engine.from_config(config), thresholds, early=plan.cascade_early)
 
 
 def cache_variant(config: Any) -> str:

@@ -7,6 +7,7 @@ a Qwen 0.5B prefers its own greedy answer to a corrupted one."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.fcfs import FCFSRequestQueue
 from workers.engine.kv_cache import KVCacheManager, KVGroupSpec
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.types import GenerationRequest, SamplingParams
+from workers.engine.types import FinishReason, GenerationRequest, SamplingParams
 
 ARCHES = ("llama", "gemma3", "qwen2")
 
@@ -99,6 +100,35 @@ def test_generated_tokens_log_probabilities_are_what_teacher_forcing_gives_them(
         assert kept.scored_tokens == len(kept.token_ids) == 8
         want = reference_logprob(hf, prompt + kept.token_ids, len(prompt))
         assert kept.logprob == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_an_answer_stops_once_its_log_probability_falls_under_stop_below(
+    arch: str, tiny_config: Any, tiny_models: Any
+) -> None:
+    """`SamplingParams.stop_below` (the cascade's early deferral): the answer ends BELOW at the
+    first token whose running sum of log-probabilities (transformers' values) is under it, with
+    the same tokens up to there; a bound the whole answer stays above changes nothing."""
+    hf, loaded = tiny_models(tiny_config(arch))
+    prompt = list(range(10, 30))
+    whole = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_at_newline=False, logprobs=True)
+    engine = Engine(loaded, EngineConfig(kv_cache_tokens=1024, block_size=4))
+    (full,) = engine.generate([GenerationRequest("f", prompt, whole)])
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + full.token_ids])).logits[0].float()
+    steps = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    per_token = steps.gather(1, torch.tensor(full.token_ids)[:, None])[:, 0]
+    running = per_token.cumsum(0).tolist()  # falls with every token
+    bound = (running[2] + running[3]) / 2  # crossed at the 4th token
+    below = dataclasses.replace(whole, stop_below=bound)
+    above = dataclasses.replace(whole, stop_below=running[-1] - 1.0)
+    stopped, kept = engine.generate(
+        [GenerationRequest("b", prompt, below), GenerationRequest("a", prompt, above)]
+    )
+    assert stopped.finish_reason is FinishReason.BELOW and not stopped.ok
+    assert stopped.token_ids == full.token_ids[:4]
+    assert stopped.logprob is not None and stopped.logprob * stopped.scored_tokens < bound
+    assert kept.finish_reason is FinishReason.LENGTH and kept.token_ids == full.token_ids
 
 
 def test_scheduler_never_takes_a_scored_position_from_the_prefix_cache() -> None:

@@ -2,7 +2,9 @@
 model's scores and answers): an answer above its pair's threshold kept, one below deferred, one
 the checks doubt deferred unscored, a deadline too short for deferral answered by the small
 model flagged (never EXPIRED), a failed large run the same, the reply's metadata and the
-metrics. The real-weights run of the stage is at the end (Gemma 3 small, Qwen 0.5B large)."""
+metrics; early deferral (a small answer stopped once its total is under the threshold) and
+its fallback. The real-weights run of the stage is at the end (Gemma 3 small, Qwen 0.5B
+large)."""
 
 from __future__ import annotations
 
@@ -324,6 +326,34 @@ def test_gemmas_answer_log_probability_is_its_teacher_forced_score(gemma3: Any) 
 
 
 @pytest.mark.slow
+def test_gemma_stopped_early_gives_the_verdict_of_its_whole_answer(gemma3: Any) -> None:
+    """Early deferral on real weights: an answer stopped under a bound (half its whole
+    total) is the start of the whole answer, its total so far between the two; a bound the
+    whole answer stays above (by 0.5) leaves the answer whole."""
+    from workers.engine.engine import Engine, EngineConfig
+
+    engine = Engine(gemma3, EngineConfig(kv_cache_tokens=4096))
+    turns = [(SOURCE, "en", "de"), ("Wo ist meine Bestellung 4711?", "de", "en"),
+             ("Could you please send me a photo of the serial number?", "en", "de")]  # fmt: skip
+
+    def answers(bounds: list[float | None]) -> list[GenerationResult]:
+        return engine.generate([
+            engine.translation_request(t, s, g, logprobs=True, stop_below=b)
+            for (t, s, g), b in zip(turns, bounds, strict=True)
+        ])  # fmt: skip
+
+    wholes = answers([None] * len(turns))
+    totals = [w.logprob * w.scored_tokens for w in wholes if w.logprob is not None]
+    assert len(totals) == len(turns) and all(t < -1.0 for t in totals)
+    for whole, early, total in zip(wholes, answers([t / 2 for t in totals]), totals, strict=True):
+        assert early.finish_reason is FinishReason.BELOW and early.logprob is not None
+        assert whole.token_ids[: len(early.token_ids)] == early.token_ids
+        assert total <= early.logprob * early.scored_tokens < total / 2
+    for whole, kept in zip(wholes, answers([t - 0.5 for t in totals]), strict=True):
+        assert kept.ok and kept.token_ids == whole.token_ids
+
+
+@pytest.mark.slow
 def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> None:
     """The fair engine's admission hook counts what it admitted until it is observed. Served,
     the cascade's answers and the small model's scorings (`FairScoring`, through the fair
@@ -411,6 +441,47 @@ def test_the_cascade_on_real_models_defers_by_the_large_models_score(gemma3: Any
             assert result.text == answer
 
 
+@pytest.mark.slow
+def test_the_cascade_on_real_models_defers_early_by_the_small_models_total(gemma3: Any) -> None:
+    """Early deferral end to end on real engines: Gemma 3 270M's answers carry their total
+    log-probability; a threshold between the lowest two totals stops the lowest answer early
+    (reason `early`) and the Qwen 0.5B's own translation goes out; the others are Gemma's whole
+    answers."""
+    from tests.engine.test_scoring import private_qwen05
+    from workers.engine.engine import Engine, EngineConfig
+
+    small = Engine(gemma3, EngineConfig(kv_cache_tokens=4096))
+    large = Engine(private_qwen05(), EngineConfig(kv_cache_tokens=4096))
+    texts = [SOURCE, "Thank you for waiting.", "The invoice is attached to this message."]
+    whole = small.generate([small.translation_request(t, "en", "de", logprobs=True) for t in texts])
+    totals = [(r.logprob or 0.0) * r.scored_tokens for r in whole]
+    ordered = sorted(totals)
+    middle = (ordered[0] + ordered[1]) / 2
+    thresholds = CascadeThresholds("gemma3-270m", "qwen2.5-coder-0.5b", "small_total",
+                                   {"en-de": middle}, pooled=middle)  # fmt: skip
+    low = totals.index(ordered[0])
+    (large_answer,) = large.generate([large.translation_request(texts[low], "en", "de")])
+    stage = CascadeEngine(small, large=large, thresholds=thresholds, small_scorer=small)
+    stage.start()
+    try:
+        handles = [
+            stage.submit_translation(TranslationRequest(f"r{i}", t, "en", "de"))
+            for i, t in enumerate(texts)
+        ]
+        results = [h.result(timeout=300) for h in handles]
+    finally:
+        stage.stop()
+    deferred = results[low]
+    assert deferred.ok and deferred.notes[meta.CASCADE] == "deferred"
+    assert deferred.notes[meta.CASCADE_REASON] == "early"
+    assert deferred.text == large_answer.text
+    small_tokens = deferred.tokens_out - large_answer.tokens_out  # the stopped small run's
+    assert 0 < small_tokens <= whole[low].tokens_out
+    for i, result in enumerate(results):
+        if i != low:
+            assert result.notes[meta.CASCADE] == "small" and result.text == whole[i].text
+
+
 def test_the_worker_refuses_a_cascade_its_thresholds_were_not_calibrated_for(
     tmp_path: Any,
 ) -> None:
@@ -473,10 +544,131 @@ def test_the_worker_builds_the_large_engine_on_the_small_ones_device(tmp_path: A
         assert setup.large.config.model == "qwen2.5-coder-0.5b"
         assert setup.large.config.device == "cpu" and setup.large.config.draft is None
         assert setup.large.config.release_pool_when_idle  # idle most of the time
-        assert setup.thresholds.signal == "small_total"
+        assert setup.thresholds.signal == "small_total" and setup.early  # on by default
         (result,) = setup.large.generate(
             [setup.large.translation_request("Thank you for waiting.", "en", "de")]
         )
         assert result.ok and result.text
     finally:
         del setup
+
+
+@dataclass
+class Stopping(Scripted):
+    """A small model whose answers' tokens have these log-probabilities; with `stop_below` an
+    answer ends BELOW at the first token whose running sum is under it, as the engine's does."""
+
+    token_logprobs: tuple[float, ...] = (-0.5,) * 6
+
+    def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+        self.translations.append(request)
+        text, reason = self.answer(request)
+        total, n = 0.0, 0
+        for value in self.token_logprobs:
+            total, n = total + value, n + 1
+            if request.stop_below is not None and total < request.stop_below:
+                text, reason = text[: 3 * n], FinishReason.BELOW
+                break
+        handle = RequestHandle(request.request_id, lambda _rid: None)
+        handle.set_result(GenerationResult(request.request_id, [1] * n, text, reason, 10, n,
+                                           logprob=total / n, scored_tokens=n))  # fmt: skip
+        return handle
+
+
+TOTAL = CascadeThresholds("small", "large", "small_total", {"en-de": -4.0}, pooled=-4.0)
+
+
+def _stopping(*token_logprobs: float) -> Stopping:
+    return Stopping(lambda _r: (GOOD_DE, FinishReason.STOP), token_logprobs=token_logprobs)
+
+
+def test_an_answer_falling_under_its_threshold_is_deferred_before_it_ends() -> None:
+    """Early deferral: the small answer stops at the token whose running total crosses the
+    pair's threshold, and the large model answers; the verdict is the one the whole answer
+    gets without the early stop, and an answer that stays above is kept whole."""
+    small, large = _stopping(*(-1.5,) * 6), _large()
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large())  # type: ignore[arg-type]
+    result = _run(stage)
+    assert result.text == LARGE_DE and result.notes[meta.CASCADE] == "deferred"
+    assert result.notes[meta.CASCADE_REASON] == "early"
+    assert result.notes[meta.CASCADE_SCORE] == "-4.500"  # the total when it stopped
+    assert small.translations[0].stop_below == -4.0
+    assert result.tokens_out == 3 + 3  # three small tokens, not six, then the large answer
+    (asked,) = large.translations
+    assert asked.stop_below is None and not asked.logprobs
+    whole = CascadeEngine(_stopping(*(-1.5,) * 6), large=_large(), thresholds=TOTAL,
+                          small_scorer=_large(), early=False)  # type: ignore[arg-type]  # fmt: skip
+    late = _run(whole)
+    assert late.notes[meta.CASCADE] == "deferred" and late.notes[meta.CASCADE_REASON] == "score"
+    assert late.tokens_out == 6 + 3
+    kept = _run(CascadeEngine(_stopping(*(-0.5,) * 6), large=_large(), thresholds=TOTAL,
+                              small_scorer=_large()))  # type: ignore[arg-type]  # fmt: skip
+    assert kept.text == GOOD_DE and kept.notes[meta.CASCADE] == "small"
+
+
+def test_an_early_deferral_that_fails_sends_the_whole_small_answer_flagged() -> None:
+    """Issue #44 Done-when 4 after an early stop (scripted clock): the large run's deadline
+    keeps back the time of a whole small answer; when the large run fails, or the deadline no
+    longer allows it, the small model answers again without the stop, sent flagged."""
+    now = [200.0]
+    times = LargeRunTimes(translate_s=1.0, small_s=0.2)
+    small, large = _stopping(*(-1.5,) * 6), _large(reason=FinishReason.ERROR)
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+                          times=times, clock=lambda: now[0])  # fmt: skip
+    result = _run(stage, deadline=210.0)
+    assert result.ok and result.text == GOOD_DE and result.flagged
+    assert result.notes[meta.CASCADE] == "deadline"
+    assert result.notes[meta.CASCADE_REASON] == "failed"
+    assert large.translations[0].deadline == pytest.approx(209.8)  # 0.2 s kept back
+    first, again = small.translations
+    assert first.stop_below == -4.0
+    assert again.request_id == "r1~small" and again.stop_below is None and not again.logprobs
+    assert result.tokens_out == 3 + 6  # the partial and the whole small answer
+
+    def slow_small(_r: TranslationRequest) -> tuple[str, FinishReason]:
+        now[0] += 0.5  # the small run took 0.5 s: the large one no longer fits
+        return GOOD_DE, FinishReason.STOP
+
+    small = Stopping(slow_small, token_logprobs=(-1.5,) * 6)
+    large = _large()
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+                          times=times, clock=lambda: now[0])  # fmt: skip
+    now[0] = 300.0
+    result = _run(stage, deadline=301.5)  # 1.5 s: room for small + large + small at the start
+    assert small.translations[0].stop_below == -4.0
+    assert result.ok and result.flagged and result.notes[meta.CASCADE_REASON] == "late"
+    assert large.translations == [] and len(small.translations) == 2
+
+
+def test_no_early_stop_without_room_for_the_fallback_or_with_a_mean_signal() -> None:
+    """The small run stops early only when the deadline leaves time for it, the large run and
+    a whole small answer again; a mean log-probability can climb back: never stopped early."""
+    now = [100.0]
+    times = LargeRunTimes(translate_s=1.0, small_s=0.2)
+    small = _stopping(*(-1.5,) * 6)
+    stage = CascadeEngine(small, large=_large(), thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+                          times=times, clock=lambda: now[0])  # fmt: skip
+    result = _run(stage, deadline=101.3)  # 0.2 + 1.0 + 0.2 s do not fit
+    assert small.translations[0].stop_below is None
+    assert result.notes[meta.CASCADE_REASON] == "score" and result.notes[meta.CASCADE] == "deferred"
+    mean = CascadeThresholds("small", "large", "small_logprob", {"en-de": -1.0}, pooled=-1.0)
+    small = _stopping(*(-1.5,) * 6)
+    result = _run(CascadeEngine(small, large=_large(), thresholds=mean, small_scorer=_large()))  # type: ignore[arg-type]
+    assert small.translations[0].stop_below is None and small.translations[0].logprobs
+    assert result.notes[meta.CASCADE] == "deferred"
+
+
+def test_the_pipeline_builds_the_stage_with_the_workers_early_deferral_setting() -> None:
+    """`--no-cascade-early` reaches the stage through `CascadeSetup.early`."""
+    from workers.serving.pipeline import ServingOptions, build_served_engine
+    from workers.settings import Settings
+
+    for early in (True, False):
+        small = Yielding(lambda _r: (GOOD_DE, FinishReason.STOP))
+        setup = CascadeSetup(Yielding(_large().answer), TOTAL, early=early)
+        served: Any = build_served_engine(
+            small, ServingOptions.of(Settings(), faithful=False, cascade=setup), base=small
+        )
+        while not isinstance(served, CascadeEngine):
+            served = served.inner
+        assert served.early is early

@@ -284,6 +284,7 @@ class Engine:
             examples=request.examples,
             history=request.history,
             logprobs=request.logprobs,
+            stop_below=request.stop_below,
         )
 
     def translation_request(
@@ -300,6 +301,7 @@ class Engine:
         examples: Sequence[tuple[str, str]] = (),
         history: Sequence[int] = (),
         logprobs: bool = False,
+        stop_below: float | None = None,
     ) -> GenerationRequest:
         """`prompt_form`: a form of prompts.json (None: the engine's default form); the
         faithfulness wrapper retries a suspect translation with the template's retry form.
@@ -320,6 +322,7 @@ class Engine:
             stop_at_newline=stop_nl,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
+            stop_below=stop_below if logprobs else None,
         )
         return GenerationRequest(
             request_id or uuid.uuid4().hex,

@@ -7,8 +7,9 @@ workers/engine/forward.py) and hands the sampled tokens to the scheduler with `s
 the stop rule, then
 
 * `stop_check`: EOS (unless `ignore_eos`), the `max_new_tokens` length, a newline for
-  one-line prompts, a stop string in the decoded tail; returns (finish reason or None,
-  whether the token is kept);
+  one-line prompts, a stop string in the decoded tail, the answer's log-probability under
+  `stop_below` (the cascade's early deferral); returns (finish reason or None, whether the
+  token is kept);
 * `account`: the step's counters in `EngineStats` (preemptions, prefill and decode tokens,
   batch sizes);
 * `finish`: a finished sequence as a `GenerationResult` (decoded text cut at the stop rules,
@@ -70,6 +71,8 @@ class StepResults:
             tail = self.tokenizer.decode([*seq.output_ids[-8:], token])
             if any(s in tail for s in p.stop_strings):
                 return FinishReason.STOP, True
+        if p.stop_below is not None and p.logprobs and answer_logprob(seq) < p.stop_below:
+            return FinishReason.BELOW, True
         return None, True
 
     def account(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
@@ -159,6 +162,12 @@ def step_kind(out: SchedulerOutput) -> str:
 def step_record(out: SchedulerOutput, seconds: float) -> StepRecord:
     tokens = sum(c.num_tokens for c in out.chunks)
     return StepRecord(step_kind(out), len(out.chunks), tokens, seconds)
+
+
+def answer_logprob(seq: SequenceState) -> float:
+    """The log-probability of the answer so far, the token being checked included (the
+    sampler appended its value before the stop check)."""
+    return sum(seq.sampled_logprobs[: len(seq.output_ids) + 1])
 
 
 def seq_logprob(seq: SequenceState) -> tuple[float | None, int]:

@@ -30,6 +30,9 @@ class FinishReason(enum.StrEnum):
     REJECTED = "rejected"  # admission refused it (queue full, would miss its deadline)
     ERROR = "error"  # the engine failed on it; `error` says why
     WITHHELD = "withheld"  # an answer failed the faithfulness checks: not sent as a translation
+    # its tokens' log-probability fell under `SamplingParams.stop_below`: a partial answer,
+    # never sent (the cascade's early deferral, workers/stages/cascade/stage.py)
+    BELOW = "below"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,10 @@ class SamplingParams:
     # the result's `logprob` is their mean over the answer: the cascade's small-model signal
     # read off the generation itself, no second pass (workers/stages/cascade/stage.py)
     logprobs: bool = False
+    # with `logprobs`: end the answer (`FinishReason.BELOW`) as soon as the sum of its tokens'
+    # log-probabilities falls under this; a sum that only falls cannot climb back, so the
+    # cascade knows the whole answer's `small_total` would be under its threshold too
+    stop_below: float | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +94,7 @@ class TranslationRequest:
     # the engine keeps the answer's token log-probabilities (`SamplingParams.logprobs`: the
     # cascade asks for them of the small model)
     logprobs: bool = False
+    stop_below: float | None = None  # `SamplingParams.stop_below` (the cascade's early deferral)
 
 
 @dataclass(slots=True)

@@ -47,6 +47,7 @@ STATUS_OF: dict[FinishReason, str] = {
     FinishReason.CANCELLED: "ERROR",
     FinishReason.WITHHELD: "ERROR",  # workers/stages/faithful/stage.py; the candidate is in
     # metadata
+    FinishReason.BELOW: "ERROR",  # a partial answer; the cascade never sends one
 }
 
 

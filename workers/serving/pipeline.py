@@ -192,6 +192,7 @@ def _cascade(inner: TranslationEngine, b: Build) -> TranslationEngine:
         thresholds=setup.thresholds,
         small_scorer=scorer,
         charge=charge,
+        early=setup.early,
     )
 
 

@@ -45,8 +45,9 @@ class Scorer(Protocol):
 
 class LargeRunTimes:
     """What the deferred path costs, to tell whether a deadline still allows it: a moving
-    average of the seconds a scoring and a large-model translation took, from priors (the
-    1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate one, docs/BENCHMARKS.md);
+    average of the seconds a scoring, a large-model translation and a whole small-model answer
+    took, from priors (the 1.5B Qwen on 2 cores: ~0.3 s to score a turn, ~1 s to translate
+    one, docs/BENCHMARKS.md);
     and what a large-model token costs in small-model tokens (`cost_ratio`, from each model's
     seconds per weighted service token, prior 4: the 1.5B's P50 was 4.2x Gemma 3's), the rate
     at which a deferred request is charged to its language's fair share.
@@ -58,8 +59,11 @@ class LargeRunTimes:
         translate_s: float = 1.0,
         weight: float = 0.2,
         cost_ratio: float = 4.0,
+        small_s: float = 0.2,
     ):
-        self._s = {"score": score_s, "translate": translate_s}
+        # "small": a whole small-model answer (Gemma 3 270M: ~0.1-0.2 s a turn), the fallback
+        # after an early deferral whose large run failed (workers/stages/cascade/stage.py)
+        self._s = {"score": score_s, "translate": translate_s, "small": small_s}
         self._per_token: dict[str, float] = {}  # "small" / "large" -> s per service token
         self._ratio_prior = cost_ratio
         self.weight = weight

@@ -3,7 +3,13 @@ wrong, if the request's deadline still allows it (issue #44, `tolk worker --casc
 
 Flow of one request:
 
-1. The small model (the stages inside, down to the fair engine) translates it.
+1. The small model (the stages inside, down to the fair engine) translates it. With a total
+   signal (`small_total`) it stops early (`TranslationRequest.stop_below`,
+   `FinishReason.BELOW`) as soon as its answer's log-probability so far falls under the pair's
+   threshold: the request is deferred (reason `early`), the verdict the whole answer would have
+   had (a sum of log-probabilities only falls), without the rest of the small decoding that
+   nobody would read; deferred requests are the longest ones, the tail of the latency. Only when
+   the deadline leaves time for the small answer, the large one and the small one again.
 2. A failed or cancelled small run passes through unchanged. Otherwise the answer is checked
    (`workers.stages.faithful.rules.check`: wrong language, an invented number, a dropped span or
    name, a copied example, a loop): a doubted answer is deferred without a score.
@@ -22,11 +28,14 @@ Flow of one request:
    model's translation, each estimated by `LargeRunTimes` in accounting.py: a moving average
    of what they took, from priors), and when the large run fails or expires, the small answer
    goes out **flagged** (`deadline`): never an EXPIRED reply for a request the small model
-   answered. A large run is charged to the language's fair share (accounting.py).
+   answered. After an early deferral there is no small answer yet: the small model answers
+   again, whole (`<id>~small`), and the large run's deadline keeps back the time for that
+   (`LargeRunTimes`' "small" estimate). A large run is charged to the language's fair share
+   (accounting.py).
 
 The reply says what happened (`workers/reply_metadata.py`): `tolk.cascade` = small / deferred /
-deadline, `tolk.cascade.score` (when computed) and `tolk.cascade.reason` (score, check, late,
-failed); the worker's metrics count `tolk_cascade_outcomes_total{lang, outcome}` and observe
+deadline, `tolk.cascade.score` (when computed) and `tolk.cascade.reason` (score, early, check,
+late, failed); the worker's metrics count `tolk_cascade_outcomes_total{lang, outcome}` and observe
 `tolk_cascade_score{lang}`.
 
 Its place (workers/serving/pipeline.py): innermost, directly around the fair engine of the
@@ -76,6 +85,7 @@ __all__ = ["OUTCOMES", "CascadeEngine", "CascadeSetup"]
 OUTCOMES = ("small", "deferred", "deadline")
 SUFFIX = "~cascade"  # the large model's request id
 SCORE_SUFFIX = "~score"
+SMALL_SUFFIX = "~small"  # the small model's whole answer after an early deferral's failed run
 
 
 class _CascadeMetrics(Protocol):
@@ -90,6 +100,7 @@ class CascadeSetup:
 
     large: Any  # workers.engine.engine.Engine
     thresholds: CascadeThresholds
+    early: bool = True  # early deferral (module notes, step 1; `--no-cascade-early`: off)
 
 
 @dataclass(slots=True)
@@ -99,6 +110,9 @@ class _Job:
     small: GenerationResult | None = None
     deferral: Deferral | None = None
     started: float = 0.0  # when the current large-model run was submitted
+    # the small run stopped early (`FinishReason.BELOW`): `small` is a partial answer, never
+    # sent; a fallback needs the small model's whole answer first
+    partial: bool = False
 
 
 class CascadeEngine(EngineWrapper):
@@ -116,6 +130,7 @@ class CascadeEngine(EngineWrapper):
         clock: Callable[[], float] = time.monotonic,
         metrics: _CascadeMetrics | None = None,
         charge: SmallQueueCharge | None = None,  # the small model's fair share (module notes)
+        early: bool = True,  # stop a small answer whose total falls under the threshold
     ) -> None:
         by_small = SCORER[thresholds.signal] == "small"
         if by_small and small_scorer is None:
@@ -132,6 +147,8 @@ class CascadeEngine(EngineWrapper):
         self._metrics = metrics
         self.charge = charge
         self._by_small = by_small
+        # early deferral needs a signal that only falls as the answer grows (a total)
+        self.early = early and by_small and thresholds.signal.endswith("_total")
         self._lock = threading.Lock()
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (lang, outcome) -> count
         share = thresholds.defer_share
@@ -155,20 +172,35 @@ class CascadeEngine(EngineWrapper):
 
     def submit_translation(self, request: TranslationRequest) -> RequestHandle:
         if self._by_small:  # the small model's signal read off its own generation
-            request = dataclasses.replace(request, logprobs=True)
+            stop = self._stop_below(request)
+            request = dataclasses.replace(request, logprobs=True, stop_below=stop)
         job = RetryJob(request, _Job())
         job.run(self.inner, lambda result: self._on_small(job, result))
         return job.handle
 
     # -- the runs -------------------------------------------------------------------------------
 
+    def _stop_below(self, r: TranslationRequest) -> float | None:
+        """The threshold at which the small run stops early (module notes, step 1), when the
+        deadline leaves time for the small answer, the large one and, should the large run
+        fail, the small answer again."""
+        if not self.early or not self.times.fits(
+            r.deadline, self.clock(), "small", "translate", "small"
+        ):
+            return None
+        return self.thresholds.threshold(r.source_lang, r.target_lang)
+
     def _on_small(self, job: RetryJob, small: GenerationResult) -> None:
         state: _Job = job.state
         state.small = small
         r = job.request
+        if small.finish_reason is FinishReason.BELOW:
+            self._on_below(job, small)
+            return
         if not small.ok or job.cancelled:
             job.resolve(small)
             return
+        self.times.record("small", small.timings.total_s)
         self.times.record_run("small", small)
         if self._suspect(r, small):
             state.deferral = Deferral(True, "check", None, None)
@@ -202,6 +234,27 @@ class CascadeEngine(EngineWrapper):
         self.times.record("score", self.clock() - state.started)
         self._decide(job, scored.logprob, scored.scored_tokens)
 
+    def _on_below(self, job: RetryJob, partial: GenerationResult) -> None:
+        """The small answer's total fell under its pair's threshold before it was finished:
+        deferred, as the whole answer would have been (its total can only fall further)."""
+        state: _Job = job.state
+        r = job.request
+        state.partial = True
+        if job.cancelled:
+            cancelled = FinishReason.CANCELLED
+            job.resolve(dataclasses.replace(partial, text="", finish_reason=cancelled))
+            return
+        self.times.record_run("small", partial)
+        score = signal_value(self.thresholds.signal, partial.logprob or 0.0, partial.scored_tokens)
+        if self._metrics is not None:
+            self._metrics.cascade_score.labels(lang=r.target_lang).observe(score)
+        limit = self.thresholds.threshold(r.source_lang, r.target_lang)
+        state.deferral = Deferral(True, "early", score, limit)
+        if not self.times.fits(r.deadline, self.clock(), "translate", "small"):
+            self._late(job, "late")
+            return
+        self._defer(job)
+
     def _decide(self, job: RetryJob, logprob: float, tokens: int) -> None:
         """The threshold's verdict on a score: keep the small answer, or defer if it fits."""
         state: _Job = job.state
@@ -224,11 +277,15 @@ class CascadeEngine(EngineWrapper):
         if job.cancelled:
             job.resolve(state.small)  # type: ignore[arg-type]
             return
+        deadline = job.request.deadline
+        if state.partial and deadline is not None:  # keep back the time of a small fallback
+            deadline -= self.times.estimate("small")
         try:  # the large model, its own prompt form, the same deadline and examples
             state.started = self.clock()
             job.rerun(
                 self.large, SUFFIX, lambda big: self._on_large(job, big),
-                prompt_form=None, logprobs=False,  # the large model's answer needs no signal
+                prompt_form=None, logprobs=False, stop_below=None,  # no signal needed
+                deadline=deadline,
             )  # fmt: skip
         except Exception as exc:
             rid = job.request.request_id
@@ -278,15 +335,49 @@ class CascadeEngine(EngineWrapper):
         return found.suspect
 
     def _late(self, job: RetryJob, reason: str) -> None:
-        """The small answer, flagged: deferral did not fit the deadline or failed."""
+        """The small answer, flagged: deferral did not fit the deadline or failed. After an
+        early deferral there is none yet: the small model answers again, whole."""
         state: _Job = job.state
         small = state.small
         assert small is not None
+        if state.partial:
+            self._small_again(job, reason)
+            return
         score = state.deferral.score if state.deferral is not None else None
         notes = {**small.notes, meta.CASCADE: "deadline", meta.CASCADE_REASON: reason}
         if score is not None:
             notes[meta.CASCADE_SCORE] = f"{score:.3f}"
         self._answer(job, "deadline", dataclasses.replace(small, notes=notes, flagged=True))
+
+    def _small_again(self, job: RetryJob, reason: str) -> None:
+        """The fallback of an early deferral (module notes, step 5): the small model's whole
+        answer, without the early stop, sent flagged; its failure (an expired deadline) is the
+        reply."""
+        state: _Job = job.state
+        partial = state.small
+        assert partial is not None
+
+        def done(again: GenerationResult) -> None:
+            merged = merged_runs(partial, again, job.request.request_id)
+            if not again.ok or job.cancelled:
+                job.resolve(merged)
+                return
+            state.small, state.partial = merged, False
+            self._late(job, reason)
+
+        if job.cancelled:
+            cancelled = FinishReason.CANCELLED
+            job.resolve(dataclasses.replace(partial, text="", finish_reason=cancelled))
+            return
+        try:
+            job.rerun(self.inner, SMALL_SUFFIX, done, logprobs=False, stop_below=None)
+        except Exception as exc:
+            rid = job.request.request_id
+            log.warning("cascade: %s not answered by the small model again (%s)", rid, exc)
+            error = f"cascade fallback refused: {exc}"
+            job.resolve(
+                dataclasses.replace(partial, text="", finish_reason=FinishReason.ERROR, error=error)
+            )
 
     @staticmethod
     def _noted(
