@@ -38,12 +38,13 @@ run instead of loading the models again. JSON on stdout (and `--out`).
 
 With `--serving` (needs the local stack), the served cascade instead: `bench.serving`'s open
 loop (`--rates`, `--mix`, `--duration`, one seed: the same texts at the same times) against
-three `tolk worker`s in turn: the small model alone, `--cascade LARGE` with `--thresholds`,
-and the large model alone (`--repeats` rounds of the three, each arm's median over them:
-one 60-s point of one worker moved 0.096-0.142 s between runs); per rate the cascade's P50
-over the small model's (issue #44
-Done-when 2: <= 1.3) and its P99 of OK replies over the large model's (<= 1.0; of OK replies
-because a withheld answer makes the P99 of all offered requests infinite).
+three `tolk worker`s in turn: the small model alone, `--cascade LARGE` with `--thresholds`
+(with `--compare-early` also the same cascade with `--no-cascade-early`: every small answer
+decoded whole before it is judged), and the large model alone (`--repeats` rounds of the
+arms, each arm's median over them: one 60-s point of one worker moved 0.096-0.142 s between
+runs); per rate the cascade's P50 over the small model's (issue #44 Done-when 2: <= 1.3) and
+its P99 of OK replies over the large model's (<= 1.0; of OK replies because a withheld answer
+makes the P99 of all offered requests infinite).
 
     python -m bench.cascade --serving --rates 1 --duration 60 --repeats 2 \
         --thresholds workers/stages/cascade/thresholds.json --out bench/out/cascade-serving.json
@@ -366,13 +367,12 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     from bench import serving as bench_serving
     from bench.first_start import by_rate, median_of_starts
 
-    flags = "--no-cache"
-    arms = {
-        "small": (args.small, flags),
-        "cascade": (args.small, f"{flags} --cascade {args.large} --cascade-thresholds "
-                    f"{args.thresholds}"),
-        "large": (args.large, flags),
-    }  # fmt: skip
+    small_flags = f"--no-cache {args.small_flags}".strip()
+    cascade_flags = f"{small_flags} --cascade {args.large} --cascade-thresholds {args.thresholds}"
+    arms = {"small": (args.small, small_flags), "cascade": (args.small, cascade_flags)}
+    if args.compare_early:  # the same cascade, every small answer decoded whole
+        arms["cascade_whole"] = (args.small, f"{cascade_flags} --no-cascade-early")
+    arms["large"] = (args.large, f"--no-cache {args.large_flags}".strip())
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
     for round_ in range(args.repeats):
         for name, (model, worker_args) in arms.items():
@@ -394,6 +394,7 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
     ratios: dict[str, Any] = {}
     for rate, cascade in figures["cascade"].items():
         small, large = figures["small"].get(rate, {}), figures["large"].get(rate, {})
+        whole = figures.get("cascade_whole", {}).get(rate, {})
         p50 = safe_ratio(cascade["p50_s"], small.get("p50_s"))
         p99 = safe_ratio(cascade["p99_ok_s"], large.get("p99_ok_s"))
         outcomes = cascade.get("cascade_outcomes", {})
@@ -410,6 +411,11 @@ def serving(args: argparse.Namespace) -> dict[str, Any]:
             if answered
             else None,
         }
+        if whole:  # --compare-early: what stopping the small answers early changed
+            ratios[rate]["p50_over_whole"] = safe_ratio(cascade["p50_s"], whole.get("p50_s"))
+            ratios[rate]["p99_ok_over_whole"] = safe_ratio(
+                cascade["p99_ok_s"], whole.get("p99_ok_s")
+            )
     return {
         "bench": "cascade_serving",
         "machine": machine_info(),
@@ -450,6 +456,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mix", default="de=0.5,en=0.5")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--repeats", type=int, default=1, help="--serving: rounds of the three arms")
+    p.add_argument(
+        "--small-flags", default="",
+        help="--serving: `tolk worker` flags of the small model (its arm and the cascade's), "
+        "e.g. '--quantize int8 --compile-decode' where no probe of it is stored",
+    )  # fmt: skip
+    p.add_argument(
+        "--large-flags", default="",
+        help="--serving: flags of the large model's own arm; where no probe of the large "
+        "model is stored, the cascade's large engine runs its unmeasured choice: name it "
+        "here (e.g. '--quantize int8 --no-compile-decode') so the two arms compare alike",
+    )  # fmt: skip
+    p.add_argument(
+        "--compare-early", action="store_true",
+        help="--serving: a fourth arm, the cascade with --no-cascade-early",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 

@@ -102,12 +102,17 @@ def test_the_served_comparison_reports_the_deferred_share_in_service(monkeypatch
     served = {  # worker model + flags -> (P50, P99 of OK, cascade outcomes or None)
         "small": (0.10, 0.30, None),
         "cascade": (0.12, 1.50, {"small": 40, "deferred": 18, "deadline": 2}),
+        "cascade_whole": (0.15, 2.00, {"small": 40, "deferred": 18, "deadline": 2}),
         "large": (0.50, 1.80, None),
     }
+    arms: list[str] = []
 
     def run(ns):  # type: ignore[no-untyped-def]
         arm = "cascade" if "--cascade" in ns.worker_args else (
             "large" if ns.model == "qwen2.5-coder-1.5b" else "small")  # fmt: skip
+        if "--no-cascade-early" in ns.worker_args:
+            arm = "cascade_whole"
+        arms.append(arm)
         p50, p99, outcomes = served[arm]
         row = {
             "total_rate": 1.0,
@@ -125,3 +130,9 @@ def test_the_served_comparison_reports_the_deferred_share_in_service(monkeypatch
     assert ratio["p50_over_small"] == 1.2 and ratio["p99_ok_over_large"] == 0.833
     assert ratio["met"] is True
     assert ratio["deferred_share"] == 0.3 and ratio["deadline_share"] == 0.033
+    assert arms == ["small", "cascade", "large"] and "p50_over_whole" not in ratio
+    arms.clear()  # --compare-early: the cascade without early deferral, as a fourth arm
+    result = bench_cascade.serving(bench_cascade.parse_args(["--serving", "--compare-early"]))
+    assert arms == ["small", "cascade", "cascade_whole", "large"]
+    ratio = result["ratios"]["1"]
+    assert ratio["p50_over_whole"] == 0.8 and ratio["p99_ok_over_whole"] == 0.75
