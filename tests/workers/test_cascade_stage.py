@@ -401,6 +401,19 @@ def test_nothing_the_small_engine_ran_stays_counted_as_running(gemma3: Any) -> N
     assert stage.times.cost_ratio() == 4.0  # no large run: the prior
 
 
+def _serve_all(stage: CascadeEngine, texts: list[str]) -> list[GenerationResult]:
+    """Each text en -> de through the started stage, all submitted at once."""
+    stage.start()
+    try:
+        handles = [
+            stage.submit_translation(TranslationRequest(f"r{i}", t, "en", "de"))
+            for i, t in enumerate(texts)
+        ]
+        return [h.result(timeout=300) for h in handles]
+    finally:
+        stage.stop()
+
+
 @pytest.mark.slow
 def test_the_cascade_on_real_models_defers_by_the_large_models_score(gemma3: Any) -> None:
     """Gemma 3 270M answers, Qwen 0.5B scores every answer and translates the ones under a
@@ -423,15 +436,7 @@ def test_the_cascade_on_real_models_defers_by_the_large_models_score(gemma3: Any
     thresholds = CascadeThresholds("gemma3-270m", "qwen2.5-coder-0.5b", "large_logprob",
                                    {"en-de": middle}, pooled=middle)  # fmt: skip
     stage = CascadeEngine(small, large=large, thresholds=thresholds)
-    stage.start()
-    try:
-        handles = [
-            stage.submit_translation(TranslationRequest(f"r{i}", t, "en", "de"))
-            for i, t in enumerate(texts)
-        ]
-        results = [h.result(timeout=300) for h in handles]
-    finally:
-        stage.stop()
+    results = _serve_all(stage, texts)
     outcomes = [r.notes[meta.CASCADE] for r in results]
     low = scores.index(ordered[0])
     assert outcomes.count("deferred") >= 1 and outcomes[low] == "deferred"
@@ -462,15 +467,7 @@ def test_the_cascade_on_real_models_defers_early_by_the_small_models_total(gemma
     low = totals.index(ordered[0])
     (large_answer,) = large.generate([large.translation_request(texts[low], "en", "de")])
     stage = CascadeEngine(small, large=large, thresholds=thresholds, small_scorer=small)
-    stage.start()
-    try:
-        handles = [
-            stage.submit_translation(TranslationRequest(f"r{i}", t, "en", "de"))
-            for i, t in enumerate(texts)
-        ]
-        results = [h.result(timeout=300) for h in handles]
-    finally:
-        stage.stop()
+    results = _serve_all(stage, texts)
     deferred = results[low]
     assert deferred.ok and deferred.notes[meta.CASCADE] == "deferred"
     assert deferred.notes[meta.CASCADE_REASON] == "early"
@@ -587,7 +584,7 @@ def test_an_answer_falling_under_its_threshold_is_deferred_before_it_ends() -> N
     pair's threshold, and the large model answers; the verdict is the one the whole answer
     gets without the early stop, and an answer that stays above is kept whole."""
     small, large = _stopping(*(-1.5,) * 6), _large()
-    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large())  # type: ignore[arg-type]
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large())
     result = _run(stage)
     assert result.text == LARGE_DE and result.notes[meta.CASCADE] == "deferred"
     assert result.notes[meta.CASCADE_REASON] == "early"
@@ -597,12 +594,12 @@ def test_an_answer_falling_under_its_threshold_is_deferred_before_it_ends() -> N
     (asked,) = large.translations
     assert asked.stop_below is None and not asked.logprobs
     whole = CascadeEngine(_stopping(*(-1.5,) * 6), large=_large(), thresholds=TOTAL,
-                          small_scorer=_large(), early=False)  # type: ignore[arg-type]  # fmt: skip
+                          small_scorer=_large(), early=False)  # fmt: skip
     late = _run(whole)
     assert late.notes[meta.CASCADE] == "deferred" and late.notes[meta.CASCADE_REASON] == "score"
     assert late.tokens_out == 6 + 3
     kept = _run(CascadeEngine(_stopping(*(-0.5,) * 6), large=_large(), thresholds=TOTAL,
-                              small_scorer=_large()))  # type: ignore[arg-type]  # fmt: skip
+                              small_scorer=_large()))  # fmt: skip
     assert kept.text == GOOD_DE and kept.notes[meta.CASCADE] == "small"
 
 
@@ -613,7 +610,7 @@ def test_an_early_deferral_that_fails_sends_the_whole_small_answer_flagged() -> 
     now = [200.0]
     times = LargeRunTimes(translate_s=1.0, small_s=0.2)
     small, large = _stopping(*(-1.5,) * 6), _large(reason=FinishReason.ERROR)
-    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),
                           times=times, clock=lambda: now[0])  # fmt: skip
     result = _run(stage, deadline=210.0)
     assert result.ok and result.text == GOOD_DE and result.flagged
@@ -631,7 +628,7 @@ def test_an_early_deferral_that_fails_sends_the_whole_small_answer_flagged() -> 
 
     small = Stopping(slow_small, token_logprobs=(-1.5,) * 6)
     large = _large()
-    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large(),
                           times=times, clock=lambda: now[0])  # fmt: skip
     now[0] = 300.0
     result = _run(stage, deadline=301.5)  # 1.5 s: room for small + large + small at the start
@@ -646,14 +643,14 @@ def test_no_early_stop_without_room_for_the_fallback_or_with_a_mean_signal() -> 
     now = [100.0]
     times = LargeRunTimes(translate_s=1.0, small_s=0.2)
     small = _stopping(*(-1.5,) * 6)
-    stage = CascadeEngine(small, large=_large(), thresholds=TOTAL, small_scorer=_large(),  # type: ignore[arg-type]
+    stage = CascadeEngine(small, large=_large(), thresholds=TOTAL, small_scorer=_large(),
                           times=times, clock=lambda: now[0])  # fmt: skip
     result = _run(stage, deadline=101.3)  # 0.2 + 1.0 + 0.2 s do not fit
     assert small.translations[0].stop_below is None
     assert result.notes[meta.CASCADE_REASON] == "score" and result.notes[meta.CASCADE] == "deferred"
     mean = CascadeThresholds("small", "large", "small_logprob", {"en-de": -1.0}, pooled=-1.0)
     small = _stopping(*(-1.5,) * 6)
-    result = _run(CascadeEngine(small, large=_large(), thresholds=mean, small_scorer=_large()))  # type: ignore[arg-type]
+    result = _run(CascadeEngine(small, large=_large(), thresholds=mean, small_scorer=_large()))
     assert small.translations[0].stop_below is None and small.translations[0].logprobs
     assert result.notes[meta.CASCADE] == "deferred"
 
@@ -672,3 +669,26 @@ def test_the_pipeline_builds_the_stage_with_the_workers_early_deferral_setting()
         while not isinstance(served, CascadeEngine):
             served = served.inner
         assert served.early is early
+
+
+def test_a_request_cancelled_before_its_small_run_stopped_early_answers_cancelled() -> None:
+    """The caller cancels while the small run is in flight; the run then ends BELOW: the
+    caller gets CANCELLED without the partial text, and the large model is never asked."""
+    pending: list[RequestHandle] = []
+
+    class Held(Stopping):
+        def submit_translation(self, request: TranslationRequest) -> RequestHandle:
+            self.translations.append(request)
+            handle = RequestHandle(request.request_id, lambda _rid: None)
+            pending.append(handle)
+            return handle
+
+    small, large = Held(lambda _r: (GOOD_DE, FinishReason.STOP)), _large()
+    stage = CascadeEngine(small, large=large, thresholds=TOTAL, small_scorer=_large())
+    handle = stage.submit_translation(TranslationRequest("r1", SOURCE, "en", "de"))
+    handle.cancel()
+    pending[0].set_result(GenerationResult("r1", [1, 1, 1], "Ihr", FinishReason.BELOW, 10, 3,
+                                           logprob=-1.5, scored_tokens=3))  # fmt: skip
+    result = handle.result(timeout=1)
+    assert result.finish_reason is FinishReason.CANCELLED and result.text == ""
+    assert large.translations == []

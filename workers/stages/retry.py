@@ -41,7 +41,9 @@ __all__ = ["RetryJob"]
 
 
 class RetryJob:
-    """One request of a stage: its first run, at most one rerun, and the caller's handle."""
+    """One request of a stage: its first run, its reruns one at a time (a stage's one retry;
+    the cascade's large run and, should that fail after an early stop, the small one again),
+    and the caller's handle."""
 
     def __init__(self, request: TranslationRequest, state: Any = None) -> None:
         """`state`: what the stage keeps about the request (its checks, its masked text)."""

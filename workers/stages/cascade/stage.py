@@ -241,8 +241,7 @@ class CascadeEngine(EngineWrapper):
         r = job.request
         state.partial = True
         if job.cancelled:
-            cancelled = FinishReason.CANCELLED
-            job.resolve(dataclasses.replace(partial, text="", finish_reason=cancelled))
+            job.resolve(_cancelled(partial))
             return
         self.times.record_run("small", partial)
         score = signal_value(self.thresholds.signal, partial.logprob or 0.0, partial.scored_tokens)
@@ -275,7 +274,9 @@ class CascadeEngine(EngineWrapper):
     def _defer(self, job: RetryJob) -> None:
         state: _Job = job.state
         if job.cancelled:
-            job.resolve(state.small)  # type: ignore[arg-type]
+            small = state.small
+            assert small is not None
+            job.resolve(_cancelled(small) if state.partial else small)
             return
         deadline = job.request.deadline
         if state.partial and deadline is not None:  # keep back the time of a small fallback
@@ -366,8 +367,7 @@ class CascadeEngine(EngineWrapper):
             self._late(job, reason)
 
         if job.cancelled:
-            cancelled = FinishReason.CANCELLED
-            job.resolve(dataclasses.replace(partial, text="", finish_reason=cancelled))
+            job.resolve(_cancelled(partial))
             return
         try:
             job.rerun(self.inner, SMALL_SUFFIX, done, logprobs=False, stop_below=None)
@@ -397,6 +397,11 @@ class CascadeEngine(EngineWrapper):
         if self._metrics is not None:
             self._metrics.cascade_outcomes_total.labels(lang=lang, outcome=outcome).inc()
         job.resolve(result)
+
+
+def _cancelled(partial: GenerationResult) -> GenerationResult:
+    """A stopped small run as the caller's answer once it cancelled: its work, no text."""
+    return dataclasses.replace(partial, text="", finish_reason=FinishReason.CANCELLED)
 
 
 def _refused_for_time(result: GenerationResult) -> bool:
