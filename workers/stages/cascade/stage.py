@@ -46,6 +46,10 @@ builder): it takes a step only while the small engine has nothing unfinished, so
 answers, most requests' latency, never share the cores with a large step, and a deferred run
 fills the small model's gaps (a deadline it then misses sends the small answer, step 5).
 Callbacks run on the engines' threads: a check (~1 ms) and at most one submit each.
+
+One concern: the life of one request between the two models (the runs, the verdict, the
+fallbacks and what the reply says of them); the rule and its calibration are rules.py, the
+costs and the fair share accounting.py.
 """
 
 from __future__ import annotations
