@@ -180,3 +180,37 @@ def test_a_background_compile_starts_after_the_language_warm_up(
     assert events == [("warm", False, False), ("compile",)]  # eager warm-up, then the compile
     assert engine.stats.compiled_steps == engine.stats.compiled_rows_steps == 0
     assert engine.stats.steps > 0  # the warm-up ran its prefill steps
+
+
+def test_a_graph_that_fails_to_compile_is_tried_again_then_served_eagerly(
+    tiny_config: Any, tiny_models: Any
+) -> None:
+    """A compile error (inductor's codegen failed once in CI on a graph it compiles fine
+    another time) never fails the step's requests: the graph is compiled once more, and if that
+    fails too the engine turns its compiled path off and serves the same tokens eagerly."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    _, loaded = tiny_models(tiny_config("llama", vocab_size=512))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, stop_at_newline=False)
+    prompt = list(range(5, 17))
+    eager = Engine(loaded, EngineConfig(kv_cache_tokens=2048)).generate(
+        [GenerationRequest("eager", prompt, params)]
+    )
+    for failures in (1, 10**6):  # once (the retry compiles), always (eager from then on)
+        engine = Engine(loaded, EngineConfig(kv_cache_tokens=2048, compile_decode=True))
+        compiled = engine.compiled
+        assert compiled is not None
+        calls = {"n": 0}
+
+        def flaky(
+            *args: Any, failures: int = failures, c: Any = compiled, calls: Any = calls
+        ) -> Any:
+            calls["n"] += 1
+            if calls["n"] <= failures:
+                raise BackendCompilerFailed(flaky, RuntimeError("int_array_86"), None)
+            return c._forward(*args)  # stands for the compiled graph: the same forward
+
+        compiled._fn = flaky
+        (result,) = engine.generate([GenerationRequest("r", prompt, params)])
+        assert result.ok and result.token_ids == eager[0].token_ids
+        assert compiled.ready is (failures == 1)

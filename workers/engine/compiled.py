@@ -179,7 +179,18 @@ class CompiledDecode:
         pos = torch.tensor(list(positions), dtype=torch.long, device=device)
         rows = range(len(ids)) if sample_rows is None else sample_rows
         picked = torch.tensor(list(rows), dtype=torch.long, device=device)
-        return self._fn(ids, pos, batches, picked)
+        for attempt in (1, 2):
+            try:
+                return self._fn(ids, pos, batches, picked)
+            except torch._dynamo.exc.BackendCompilerFailed:
+                # inductor's code generation can fail on a graph it compiles fine another time
+                # (torch 2.11's C++ wrapper keys its array declarations by the id() of a bound
+                # method, which the allocator reuses: "int_array_86 was not declared", seen in
+                # CI): compile once more, then serve eagerly rather than fail the step's requests
+                log.exception("compiling a decode graph failed (attempt %d of 2)", attempt)
+        log.error("compiled decode turned off: this engine's steps stay eager")
+        self.ready = self.rows_ready = False
+        return self._forward(ids, pos, batches, picked)
 
     def warm_up(self, batch_sizes: Sequence[int] = (1, 2)) -> float:
         """Compile now, not at the first request: the decode graphs for these batch sizes, then
