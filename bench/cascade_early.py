@@ -31,6 +31,7 @@ from typing import Any
 
 from bench._common import dump, machine_info, write_json
 from bench.model_quality import Item, held_out_items
+from bench.serving_stats import percentile
 from workers.stages.cascade.rules import CascadeThresholds
 
 
@@ -72,16 +73,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "seconds_mean": {k: round(v / len(deferred), 4) for k, v in seconds.items()},
             "seconds_saved_share": round(1 - seconds["early"] / seconds["whole"], 3),
             "seconds_p90": {
-                k: round(_quantile([r[k]["seconds"] for r in deferred], 0.9), 4)
+                k: round(percentile([r[k]["seconds"] for r in deferred], 90.0) or 0.0, 4)
                 for k in ("whole", "early")
             },
         }
     return out
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
