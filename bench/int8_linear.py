@@ -8,10 +8,13 @@ vectorizes. Whether int8 weights pay off on a machine depends on it: this benchm
 one process and interleaved, the op (`torch.ops.tolk.int8_linear`) and the anchor, float32
 `F.linear` on the same weights dequantized (torch's BLAS: MKL / oneDNN), for the LM head
 (262144 x 640) and the projections (2048 x 640, 640 x 2048), at each number of activation
-rows; the fastest of `--repeats` calls counts. It also checks the op against
-`int8_linear_reference` (max abs error). One JSON object: the machine (CPU model and the flags
-that decide the loop), per shape and row count the milliseconds of both and their ratio
-(float32 / int8: above 1, int8 is faster).
+rows; the fastest of `--repeats` calls counts. Beside them the op's own float32 loop
+(`exact_float32=True`: int8 widened to float32 and FMA, the default loop where the CPU has no
+16-bit one), so a change of the default loop is measured against it in the same run. It also
+checks the op against `int8_linear_reference` (max abs error). One JSON object: the machine
+(CPU model and the flags that decide the loop), per shape and row count the milliseconds of
+each and the ratios (float32 / int8 and float32 loop / int8: above 1, the default int8 loop is
+faster).
 """
 
 from __future__ import annotations
@@ -64,10 +67,13 @@ def run(rows: list[int], repeats: int, threads: int) -> JSON:
             )
             f32 = best_ms(lambda: F.linear(x, w), reps)  # noqa: B023 (called at once)
             i8 = best_ms(lambda: torch.ops.tolk.int8_linear(x, q, scales, False), reps)  # noqa: B023
+            loop = best_ms(lambda: torch.ops.tolk.int8_linear(x, q, scales, True), reps)  # noqa: B023
             per_rows[str(m)] = {
                 "float32_ms": f32,
                 "int8_ms": i8,
+                "int8_float32_loop_ms": loop,
                 "float32_over_int8": round(f32 / i8, 2),
+                "float32_loop_over_int8": round(loop / i8, 2),
                 "max_abs_err": float(err.abs().max()),
             }
         out["shapes"][f"{name} {n}x{k}"] = per_rows

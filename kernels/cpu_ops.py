@@ -2,7 +2,7 @@
 
 - `tolk::int8_linear(x, w, scales, exact_float32=False)`: see `kernels/int8_linear.py`.
 - `tolk::int4_linear(x, w, scales, mins)` (and `int4_linear_plain`, its portable float32 loop;
-  `int4_linear_vnni()`, whether this build runs the VNNI loop): see `kernels/int4_linear.py`.
+  `int4_linear_vector_loop()`, whether this build runs a vector loop): see `kernels/int4_linear.py`.
 - `tolk::decode_attention(q, k_cache, v_cache, blocks, valid, scale, softcap=None)`: see
   `kernels/attention.py` (`decode_attention`).
 - `tolk::screened_argmax(x, approx, weight, act, wt, softcap=None)`: see

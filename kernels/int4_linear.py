@@ -9,8 +9,9 @@ C++ loop reads them (`pack_codes`; the layout and why: `kernels/cpu/int4_linear.
 Two versions of the same signature `(x, w, scales, mins)`:
 - `int4_linear_reference`: dequantize with torch ops, then `F.linear`; any device and dtype.
 - `int4_linear`: on the CPU with float32 `x`, the C++ op `tolk::int4_linear` (AVX512-VNNI,
-  activations as int8 per group of 32, OpenMP over output rows; the portable float32 loop on
-  other CPUs); anywhere else, or when the op is not loaded, the reference.
+  else AVX2 + FMA + F16C; activations as int8 per group of 32, OpenMP over output rows; the
+  portable float32 loop on other CPUs); anywhere else, or when the op is not loaded, the
+  reference.
 
 Why: batch-1 decode on a CPU reads every weight once a token. Gemma 3 270M reads 268 MB a token
 in int8 (its 262k x 640 LM head alone 168 MB), llama.cpp's Q4_K_M GGUF ~195 MB; in this format
@@ -118,10 +119,11 @@ def int4_linear_reference(x: Tensor, w: Tensor, scales: Tensor, mins: Tensor) ->
     return F.linear(x, dequantize_int4(w, scales, mins).to(x.dtype))
 
 
-def runs_vnni() -> bool:
-    """Whether `int4_linear` runs the AVX512-VNNI loop here (C++ ops loaded on such a CPU);
-    elsewhere it is the plain float32 loop or the reference, slower than int8."""
-    return cpu_ops.LOADED and bool(torch.ops.tolk.int4_linear_vnni())
+def runs_vector_loop() -> bool:
+    """Whether `int4_linear` runs a vector loop here (C++ ops loaded on a CPU with AVX512-VNNI,
+    or AVX2 + FMA + F16C); elsewhere it is the plain float32 loop or the reference, slower
+    than int8."""
+    return cpu_ops.LOADED and bool(torch.ops.tolk.int4_linear_vector_loop())
 
 
 def int4_linear(x: Tensor, w: Tensor, scales: Tensor, mins: Tensor) -> Tensor:

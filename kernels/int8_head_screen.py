@@ -36,8 +36,9 @@ the full head (from the fifth activation row on): there a near-tie may resolve d
 may a soft-cap that saturates (|logit| > ~9x the cap rounds tanh to 1 in float32, tying entries
 whose logits differ: the full head then takes the lowest id, which may not be a candidate).
 
-Needs the C++ ops with the int4 VNNI loop (`kernels.int4_linear.runs_vnni()`); elsewhere the
-caller keeps the full int8 head. A leaf: imports torch and the kernels' own modules only.
+Needs the C++ ops with an int4 vector loop (`kernels.int4_linear.runs_vector_loop()`:
+AVX512-VNNI or AVX2); elsewhere the caller keeps the full int8 head. A leaf: imports torch and
+the kernels' own modules only.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Two versions of the same signature:
 - `int8_linear_reference(x, w, scales)`: torch ops (dequantize, matmul); any device and dtype.
 - `int8_linear(x, w, scales)`: on the CPU with float32 `x`, the C++ op `tolk::int8_linear`
-  (`kernels/cpu/int8_linear.cpp`: AVX-512, else AVX2 + FMA, OpenMP over output rows);
+  (`kernels/cpu/int8_linear.cpp`: AVX512-VNNI, else AVX2, OpenMP over output rows);
   anywhere else, or when the op is not loaded (`kernels.cpu_ops.load()`, which can fail
   without a toolchain), the reference. Only a plain flag is read on the hot path, so compiled
   graphs trace it as a constant.
@@ -11,13 +11,17 @@ Two versions of the same signature:
 Why a kernel of our own: batch-1 decode on a CPU is bound by reading the weights. torch's
 `aten._weight_int8pack_mm` wants bfloat16 activations and spends more time widening int8 to
 float than reading memory. The C++ op keeps activations in float32 outside the dot product
-(the model stays float32 outside the projections) and, on CPUs with AVX512-VNNI, multiplies
-them as per-row 16-bit fixed point with int16 dot-product instructions: SmolLM2's 30 layers of
-projections at batch 1 in 4.9 ms a token against 7.1 ms for torch's kernel and 15.5 ms in
-float32 (2 cores); its error is ~8x below torch's bfloat16 activations. `exact_float32=True`
-selects the float32-FMA loop (error at float32 rounding), used as the tests' yardstick.
+(the model stays float32 outside the projections) and multiplies them as per-row 16-bit fixed
+point with int16 dot-product instructions (vpdpwssd with AVX512-VNNI, vpmaddwd with AVX2; the
+same integer sums): SmolLM2's 30 layers of projections at batch 1 in 4.9 ms a token against
+7.1 ms for torch's kernel and 15.5 ms in float32 (2 cores, VNNI); its error is ~8x below
+torch's bfloat16 activations. `exact_float32=True` selects the float32-FMA loop (error at
+float32 rounding), used as the tests' yardstick, and the default on AVX-512 CPUs without VNNI.
+On an AVX2-only AMD EPYC (family 25 model 1, 2 vCPU) the float32 loop was bound by its own
+instructions (Gemma 3's LM head at one row 14.6 ms, 11 GB/s where the machine streams 23-26);
+the 16-bit loop reads it in 8.4 ms (`python -m bench.int8_linear`: 1.7-1.8x at 1-8 rows).
 
-Two loop orders for the VNNI path. At a few activation rows (decode at small batch) the op is
+Two loop orders for the 16-bit path. At a few activation rows (decode at small batch) the op is
 bound by reading `w`, and the order in which it reads decides the speed: one weight row at a
 time in memory order (`streamed`: each task one sequential stream) or four rows side by side
 (`blocked`: each widened weight vector reused for four activation rows, the better order once

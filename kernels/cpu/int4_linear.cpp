@@ -20,8 +20,12 @@
 // - Per block and weight row: 16 lanes of integer dot products, then one float multiply-add by
 //   (weight scale x activation scale) per lane and one by (offset x group sum of x): about 4
 //   instructions per 64 weights instead of 13.
-// Needs AVX512-VNNI (Intel Ice Lake and later, AMD Zen 4); elsewhere the plain float32 loop
-// (also the tests' yardstick, `int4_linear_plain`).
+// Needs AVX512-VNNI (Intel Ice Lake and later, AMD Zen 4). With AVX2 + FMA + F16C instead (AMD
+// Zen 2 / 3, Intel before Ice Lake) the same layout runs on 256-bit halves of each block
+// (row_avx2): vpmaddubsw (unsigned codes x signed activations, adjacent pairs summed into int16)
+// stands in for vpdpbusd, the eight steps of a block summed in int16 (at most 8 x 2 x 15 x 127
+// = 30480, no saturation) and widened to the group's int32 lane once per block by vpmaddwd with
+// ones. Elsewhere the plain float32 loop (also the tests' yardstick, `int4_linear_plain`).
 //
 // Built at first use by kernels/cpu_ops.py with the other ops (-O3 -march=native -fopenmp).
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h: ~4 s less of g++ per build
@@ -36,6 +40,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TOLK_INT4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#include <cstring>
+#define TOLK_INT4_AVX2 1
 #endif
 
 namespace {
@@ -80,7 +88,7 @@ inline void row_plain(const float* x, int64_t M, int64_t K, const uint8_t* w,
   }
 }
 
-#ifdef TOLK_INT4_VNNI
+#if defined(TOLK_INT4_VNNI) || defined(TOLK_INT4_AVX2)
 // Activation rows in the kernel's layout: per row, `blocks` blocks of 512 int8 (step-major,
 // zero-padded lanes) and per block 16 scales and 16 group sums (zero on padded lanes).
 struct PreparedX {
@@ -119,7 +127,9 @@ PreparedX prepare_rows(const float* x, int64_t M, int64_t K) {
   }
   return p;
 }
+#endif
 
+#ifdef TOLK_INT4_VNNI
 // The last block of a row when it holds at most 8 groups: the same steps on 256-bit vectors
 // (lanes 0-7; a masked 512-bit block would do twice the work for nothing), added into the
 // 512-bit accumulators zero-extended.
@@ -226,6 +236,101 @@ void rows_vnni(const PreparedX& px, int64_t M, int64_t K, const uint8_t* w,
 }
 #endif
 
+#ifdef TOLK_INT4_AVX2
+// Four code bytes per lane at p (a step pair's 4R bytes), as two 256-bit halves: lanes 0-7 and
+// 8-15; lanes at or past R read as zero (masked 32-bit loads: never past the row's bytes).
+inline void load_codes(const uint8_t* p, int64_t R, __m256i* half0, __m256i* half1) {
+  if (R == kLanes) {
+    *half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+    return;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const auto in = [&](int64_t n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane); };
+  *half0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), in(std::min<int64_t>(R, 8)));
+  *half1 = R > 8 ? _mm256_maskload_epi32(reinterpret_cast<const int*>(p + 32), in(R - 8))
+                 : _mm256_setzero_si256();
+}
+
+// Up to 8 float16 values from p as float32, zero past `lanes`.
+inline __m256 load_halves(const at::Half* p, int64_t lanes) {
+  if (lanes >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (lanes > 0) std::memcpy(tmp, p, static_cast<size_t>(lanes) * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+}
+
+// One weight row (`wr`: K / 2 packed bytes; `sr`, `mr`: its G scales and offsets) against MT <=
+// 2 activation rows from m0: per block, int16 sums per half (d0: lanes 0-7, d1: 8-15), then per
+// lane one float multiply-add by (weight scale x activation scale) and one by (offset x sum).
+// Rows are read front to back, one after another (each task one sequential stream).
+template <int MT>
+inline void row_avx2(const PreparedX& px, int64_t m0, int64_t K, const uint8_t* wr,
+                     const at::Half* sr, const at::Half* mr, float* y, int64_t N) {
+  const int64_t G = K / kGroup, blocks = px.blocks;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t R = std::min(kLanes, G - b * kLanes);
+    const uint8_t* wb = wr + b * kLanes * 16;
+    const int8_t* xb[MT];
+    for (int m = 0; m < MT; ++m) xb[m] = px.q.data() + ((m0 + m) * blocks + b) * kBlockCols;
+    __m256i d0[MT], d1[MT];
+    for (int m = 0; m < MT; ++m) d0[m] = d1[m] = _mm256_setzero_si256();
+    for (int u = 0; u < 4; ++u) {
+      __m256i c0, c1;
+      load_codes(wb + u * 4 * R, R, &c0, &c1);
+      const __m256i lo0 = _mm256_and_si256(c0, low4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low4);
+      const __m256i lo1 = _mm256_and_si256(c1, low4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low4);
+      for (int m = 0; m < MT; ++m) {
+        const auto* xs = reinterpret_cast<const __m256i*>(xb[m] + (2 * u) * 64);  // 2 steps
+        d0[m] = _mm256_add_epi16(d0[m], _mm256_maddubs_epi16(lo0, _mm256_loadu_si256(xs)));
+        d1[m] = _mm256_add_epi16(d1[m], _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(xs + 1)));
+        d0[m] = _mm256_add_epi16(d0[m], _mm256_maddubs_epi16(hi0, _mm256_loadu_si256(xs + 2)));
+        d1[m] = _mm256_add_epi16(d1[m], _mm256_maddubs_epi16(hi1, _mm256_loadu_si256(xs + 3)));
+      }
+    }
+    const int64_t g0 = b * kLanes, r0 = std::min<int64_t>(R, 8), r1 = R - r0;
+    const __m256 ws0 = load_halves(sr + g0, r0), wm0 = load_halves(mr + g0, r0);
+    const __m256 ws1 = load_halves(sr + g0 + 8, r1), wm1 = load_halves(mr + g0 + 8, r1);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xo = ((m0 + m) * blocks + b) * kLanes;
+      const float* xsc = px.scale.data() + xo;
+      const float* xsum = px.sum.data() + xo;
+      const __m256 dot0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(d0[m], ones));
+      acc[m] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(ws0, _mm256_loadu_ps(xsc)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(wm0, _mm256_loadu_ps(xsum), acc[m]);
+      if (r1 > 0) {
+        const __m256 dot1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(d1[m], ones));
+        acc[m] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(ws1, _mm256_loadu_ps(xsc + 8)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(wm1, _mm256_loadu_ps(xsum + 8), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[(m0 + m) * N] = _mm_cvtss_f32(s);
+  }
+}
+
+void rows_avx2(const PreparedX& px, int64_t M, int64_t K, const uint8_t* w,
+               const at::Half* scales, const at::Half* mins, float* y, int64_t N,
+               int64_t n_begin, int64_t n_end) {
+  const int64_t G = K / kGroup, Kb = K / 2;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* wr = w + n * Kb;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) row_avx2<2>(px, m, K, wr, scales + n * G, mins + n * G, y + n, N);
+    if (m < M) row_avx2<1>(px, m, K, wr, scales + n * G, mins + n * G, y + n, N);
+  }
+}
+#endif
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const at::Tensor& mins) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && scales.device().is_cpu() &&
@@ -260,6 +365,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     rows_vnni(px, M, K, wp, sp, mp, yp, N, b0 * kRows4, b1 * kRows4);
   });
   for (int64_t n = full * kRows4; n < N; ++n) row_plain(xp, M, K, wp, sp, mp, yp, N, n);
+#elif defined(TOLK_INT4_AVX2)
+  const PreparedX px = prepare_rows(xp, M, K);
+  at::parallel_for(0, N, grain * kRows4, [&](int64_t n0, int64_t n1) {
+    rows_avx2(px, M, K, wp, sp, mp, yp, N, n0, n1);
+  });
 #else
   at::parallel_for(0, N, grain * kRows4, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) row_plain(xp, M, K, wp, sp, mp, yp, N, n);
@@ -268,7 +378,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y.view(out_shape);
 }
 
-// The portable float32 loop on any CPU: the yardstick the AVX-512 loop is tested against.
+// The portable float32 loop on any CPU: the yardstick the vector loops are tested against.
 at::Tensor int4_linear_plain(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                              const at::Tensor& mins) {
   const int64_t N = w.size(0), K = w.size(1) * 2;
@@ -288,10 +398,10 @@ at::Tensor int4_linear_plain(const at::Tensor& x, const at::Tensor& w, const at:
   return y.view(out_shape);
 }
 
-// Whether this build runs the AVX512-VNNI loop (else every call is the plain float32 loop,
-// slower than int8 on the same CPU: callers that pick int4 for speed ask first).
-bool int4_linear_vnni() {
-#ifdef TOLK_INT4_VNNI
+// Whether this build runs a vector loop (AVX512-VNNI, else AVX2): else every call is the plain
+// float32 loop, slower than int8 on the same CPU; callers that pick int4 for speed ask first.
+bool int4_linear_vector_loop() {
+#if defined(TOLK_INT4_VNNI) || defined(TOLK_INT4_AVX2)
   return true;
 #else
   return false;
@@ -301,7 +411,7 @@ bool int4_linear_vnni() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tolk, m) {
-  m.def("int4_linear_vnni() -> bool", &int4_linear_vnni);
+  m.def("int4_linear_vector_loop() -> bool", &int4_linear_vector_loop);
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor mins) -> Tensor");
   m.def("int4_linear_plain(Tensor x, Tensor w, Tensor scales, Tensor mins) -> Tensor");
 }

@@ -7,13 +7,15 @@
 // sequential stream per task; with more activation rows (bound by arithmetic) four weight rows
 // at a time, each widened weight vector used for up to four activation rows.
 //
-// Two inner loops:
-// - VNNI (default where AVX512-VNNI exists): each activation row as 16-bit fixed point
-//   (xq = round(x / xs), xs = max|x| / 32767) and vpdpwssd on int8 -> int16 weights; two
-//   instructions per 32 weights. Error ~1e-4 of the output range: ~8x below rounding the
-//   activations to bfloat16, as torch's int8 kernel does (tests/kernels/test_int8_linear.py).
-// - exact_float32=true (and CPUs without VNNI): int8 -> float32 and FMA in float32, at 16
-//   lanes with AVX-512, at 8 with AVX2 + FMA (block_avx2).
+// Two kinds of inner loop:
+// - 16-bit (the default where AVX512-VNNI or AVX2 exists): each activation row as 16-bit fixed
+//   point (xq = round(x / xs), xs = max|x| / 32767) and an int16 dot product on int8 -> int16
+//   weights, summed exactly in int32: vpdpwssd with VNNI (two instructions per 32 weights),
+//   vpmaddwd + vpaddd with AVX2 (six per 32). Error ~1e-4 of the output range: ~8x below
+//   rounding the activations to bfloat16, as torch's int8 kernel does
+//   (tests/kernels/test_int8_linear.py); both ISAs give the same integer sums.
+// - exact_float32=true (and AVX-512 CPUs without VNNI): int8 -> float32 and FMA in float32, at
+//   16 lanes with AVX-512, at 8 with AVX2 + FMA (block_avx2).
 // Without either, the plain loop at the end is what the compiler vectorizes.
 //
 // Built at first use by kernels/cpu_ops.py (torch.utils.cpp_extension.load, -O3 -march=native
@@ -39,11 +41,11 @@
 namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per inner block
-// Up to this many activation rows (at most 4), the VNNI loop reads weight rows one at a time in
-// memory order (rows_vnni_streamed); above it, in 4-row blocks that reuse each widened weight
-// (rows_vnni). Which is faster depends on the machine's memory system, so kernels/int8_linear.py
-// times both once per process and sets it (`tolk::int8_linear_streamed_rows`; without VNNI the
-// setting has no effect).
+// Up to this many activation rows (at most 4), the 16-bit loop reads weight rows one at a time
+// in memory order (rows_int16_streamed); above it, in 4-row blocks that reuse each widened
+// weight (rows_int16_blocked). Which is faster depends on the machine's memory system, so
+// kernels/int8_linear.py times both once per process and sets it
+// (`tolk::int8_linear_streamed_rows`; without a 16-bit loop the setting has no effect).
 std::atomic<int64_t> g_streamed_max_rows{4};
 
 #ifdef TOLK_AVX512
@@ -125,8 +127,126 @@ inline void block_avx2(const float* x, int64_t K, const int8_t* w, const float* 
 }
 #endif
 
+#ifdef TOLK_AVX2
+// The 16-bit loops at 8 lanes, for AVX2 CPUs (no vpdpwssd): vpmaddwd multiplies 16 int16 pairs
+// and adds each pair into one of 8 int32 lanes, vpaddd accumulates. Against block_avx2's float32
+// loop (per 8 weights: widen to int32, convert to float, FMA), a third of the instructions per
+// weight; that loop read Gemma 3's LM head at one activation row at 10.9 GB/s where the machine
+// streams 26 (AMD EPYC family 25 model 1, 2 vCPU): bound by its instructions, not memory.
+// Lanes are flushed to float32 every kChunk16 columns: per lane and flush at most
+// 2048 / 16 steps x 2 products x 32767 x 127 ~ 1.07e9 < 2^31. Columns past the last whole step
+// (K not a multiple of the step) are summed in scalar int32.
+constexpr int64_t kChunk16 = 2048;
+
+inline __m256i widen16(const int8_t* p) {  // 16 int8 weights -> 16 int16
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i madd_add(__m256i acc, __m256i w, const int16_t* x) {
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+}
+
+inline int32_t dot_tail(const int16_t* xq, const int8_t* wr, int64_t k0, int64_t K) {
+  int32_t sum = 0;
+  for (int64_t k = k0; k < K; ++k) sum += static_cast<int32_t>(xq[k]) * wr[k];
+  return sum;
+}
+
+// One weight row `wr` against MT <= 4 activation rows, read front to back (row_vnni's order),
+// two accumulator chains per activation row (even and odd 16-column halves of each 32).
+template <int MT>
+inline void row_avx2_i16(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
+                         const int8_t* wr, float scale, float* y, int64_t N) {
+  const int64_t K32 = K / 32 * 32;
+  __m256 accf[MT];
+  for (int m = 0; m < MT; ++m) accf[m] = _mm256_setzero_ps();
+  for (int64_t kc = 0; kc < K32; kc += kChunk16) {
+    const int64_t kend = std::min(K32, kc + kChunk16);
+    __m256i a0[MT], a1[MT];
+    for (int m = 0; m < MT; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
+    for (int64_t k = kc; k < kend; k += 32) {
+      const __m256i w0 = widen16(wr + k), w1 = widen16(wr + k + 16);
+      for (int m = 0; m < MT; ++m) {
+        a0[m] = madd_add(a0[m], w0, xq + m * Kp + k);
+        a1[m] = madd_add(a1[m], w1, xq + m * Kp + k + 16);
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      accf[m] = _mm256_add_ps(accf[m], _mm256_add_ps(_mm256_cvtepi32_ps(a0[m]),
+                                                     _mm256_cvtepi32_ps(a1[m])));
+  }
+  for (int m = 0; m < MT; ++m) {
+    const float tail = static_cast<float>(dot_tail(xq + m * Kp, wr, K32, K));
+    y[m * N] = (hsum_avx2(accf[m]) + tail) * (scale * xs[m]);
+  }
+}
+
+// MT <= 2 activation rows x 4 weight rows starting at n, each widened weight vector used for
+// both activation rows (8 accumulators, 4 weights and one activation in AVX2's 16 registers).
+template <int MT>
+inline void block_avx2_i16(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
+                           const int8_t* w, const float* scales, float* y, int64_t N,
+                           int64_t n) {
+  const int64_t K16 = K / 16 * 16;
+  __m256 accf[MT][kRows];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) accf[m][r] = _mm256_setzero_ps();
+  for (int64_t kc = 0; kc < K16; kc += kChunk16) {
+    const int64_t kend = std::min(K16, kc + kChunk16);
+    __m256i acc[MT][kRows];
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_si256();
+    for (int64_t k = kc; k < kend; k += 16) {
+      __m256i wv[kRows];
+      for (int r = 0; r < kRows; ++r) wv[r] = widen16(w + (n + r) * K + k);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * Kp + k));
+        for (int r = 0; r < kRows; ++r)
+          acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kRows; ++r)
+        accf[m][r] = _mm256_add_ps(accf[m][r], _mm256_cvtepi32_ps(acc[m][r]));
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kRows; ++r) {
+      const float tail = static_cast<float>(dot_tail(xq + m * Kp, w + (n + r) * K, K16, K));
+      y[m * N + n + r] = (hsum_avx2(accf[m][r]) + tail) * (scales[n + r] * xs[m]);
+    }
+}
+
+void rows_int16_blocked(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+                        const int8_t* w, const float* scales, float* y, int64_t N,
+                        int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; n += kRows) {  // n_end - n_begin is a multiple of 4
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      block_avx2_i16<2>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n);
+    if (m < M) block_avx2_i16<1>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n);
+  }
+}
+
+void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+                         const int8_t* w, const float* scales, float* y, int64_t N,
+                         int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
+    const int8_t* wr = w + n * K;
+    switch (M) {
+      case 4: row_avx2_i16<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 3: row_avx2_i16<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 2: row_avx2_i16<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      default: row_avx2_i16<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+    }
+  }
+}
+#define TOLK_INT16 1
+#endif
+
 #if defined(TOLK_AVX512) && defined(__AVX512VNNI__)
 #define TOLK_VNNI 1
+#define TOLK_INT16 1
 // The VNNI path: each activation row is held as 16-bit fixed point, xq = round(x / xs) with
 // xs = max|x| / 32767, so a dot product is vpdpwssd (32 int16 x int16 products, summed in
 // pairs into 16 int32 lanes, one instruction) on weights widened int8 -> int16: two
@@ -235,6 +355,39 @@ inline void row_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
   for (int m = 0; m < MT; ++m) y[m * N] = _mm512_reduce_add_ps(accf[m]) * (scale * xs[m]);
 }
 
+void rows_int16_blocked(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+                        const int8_t* w, const float* scales, float* y, int64_t N,
+                        int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; n += kRows) {  // n_end - n_begin is a multiple of 4
+    const bool pf = n + 2 * kRows <= n_end;  // prefetch the next block while on this one
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      block_vnni<4>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0);
+    switch (M - m) {
+      case 3: block_vnni<3>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      case 2: block_vnni<2>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      case 1: block_vnni<1>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
+      default: break;
+    }
+  }
+}
+
+void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+                         const int8_t* w, const float* scales, float* y, int64_t N,
+                         int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
+    const int8_t* wr = w + n * K;
+    switch (M) {
+      case 4: row_vnni<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 3: row_vnni<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 2: row_vnni<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      default: row_vnni<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+    }
+  }
+}
+#endif
+
+#ifdef TOLK_INT16
 // x [M, K] float32 -> xq [M, Kp] int16 (zero-padded), xs [M] (one scale per row)
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int16_t* xq,
                           float* xs) {
@@ -251,36 +404,6 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int1
   }
 }
 
-void rows_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
-               const int8_t* w, const float* scales, float* y, int64_t N, int64_t n_begin,
-               int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; n += kRows) {  // n_end - n_begin is a multiple of 4
-    const bool pf = n + 2 * kRows <= n_end;  // prefetch the next block while on this one
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      block_vnni<4>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0);
-    switch (M - m) {
-      case 3: block_vnni<3>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
-      case 2: block_vnni<2>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
-      case 1: block_vnni<1>(xq + m * Kp, Kp, xs + m, K, w, scales, y + m * N, N, n, pf && m == 0); break;
-      default: break;
-    }
-  }
-}
-
-void rows_vnni_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M,
-                        int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
-                        int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
-    const int8_t* wr = w + n * K;
-    switch (M) {
-      case 4: row_vnni<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 3: row_vnni<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 2: row_vnni<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      default: row_vnni<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-    }
-  }
-}
 #endif
 
 // One output row n for activation rows [0, M): the portable path (and the N % 4 rest).
@@ -343,7 +466,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // tasks are ranges of 4-row blocks; grain keeps a task above ~64 KB of weights
   const int64_t blocks = (N + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K));
-#ifdef TOLK_VNNI
+#ifdef TOLK_INT16
   if (!exact_float32) {
     const int64_t Kp = (K + 31) / 32 * 32;
     std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
@@ -351,13 +474,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     quantize_rows(xp, M, K, Kp, xq.data(), xs.data());
     if (M <= g_streamed_max_rows.load(std::memory_order_relaxed)) {  // small batch: reading w
       at::parallel_for(0, N, grain * kRows, [&](int64_t n0, int64_t n1) {
-        rows_vnni_streamed(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, n0, n1);
+        rows_int16_streamed(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, n0, n1);
       });
       return y.view(out_shape);
     }
     const int64_t full = N / kRows;  // whole 4-row blocks; the rest runs the plain loop
     at::parallel_for(0, full, grain, [&](int64_t b0, int64_t b1) {
-      rows_vnni(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, b0 * kRows, b1 * kRows);
+      rows_int16_blocked(xq.data(), Kp, xs.data(), M, K, wp, sp, yp, N, b0 * kRows, b1 * kRows);
     });
     for (int64_t n = full * kRows; n < N; ++n) row_plain(xp, M, K, wp, sp, yp, N, n);
     return y.view(out_shape);

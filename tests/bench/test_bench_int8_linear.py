@@ -1,4 +1,4 @@
-"""bench/int8_linear.py on small shapes: both timed, the op checked against its reference."""
+"""bench/int8_linear.py on small shapes: all three timed, the op checked against its reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from bench import int8_linear
 
 
-def test_the_bench_times_both_and_checks_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_bench_times_all_three_and_checks_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import cpu_ops
 
     if not cpu_ops.load():
@@ -19,5 +19,8 @@ def test_the_bench_times_both_and_checks_the_op(monkeypatch: pytest.MonkeyPatch)
     for r in rows.values():
         assert r["float32_ms"] > 0 and r["int8_ms"] > 0
         assert r["float32_over_int8"] == pytest.approx(r["float32_ms"] / r["int8_ms"], rel=0.05)
+        assert r["int8_float32_loop_ms"] > 0
+        ratio = r["int8_float32_loop_ms"] / r["int8_ms"]
+        assert r["float32_loop_over_int8"] == pytest.approx(ratio, rel=0.05)
         assert r["max_abs_err"] < 1e-3
     assert isinstance(out["vector_loop"], bool) and out["machine"]["cpu_model"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kernels.int4_linear import runs_vnni
+from kernels.int4_linear import runs_vector_loop
 from kernels.int8_head_screen import Int4Screen
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import load_model
@@ -99,7 +99,7 @@ def test_the_int4_screen_gives_the_int8_heads_tokens() -> None:
     def run(screen: bool) -> tuple[list[list[int]], int]:
         eng = Engine(loaded, EngineConfig(kv_cache_tokens=8192, quantize="int8",
                                           screen_lm_head=screen))  # fmt: skip
-        assert isinstance(eng.lm_screen, Int4Screen) == (screen and runs_vnni())
+        assert isinstance(eng.lm_screen, Int4Screen) == (screen and runs_vector_loop())
         reqs = [eng.translation_request(t, *pairs[i % 3], max_new_tokens=24)
                 for i, t in enumerate(texts)]  # fmt: skip
         batched = [r.token_ids for r in eng.generate(reqs)]
@@ -109,15 +109,15 @@ def test_the_int4_screen_gives_the_int8_heads_tokens() -> None:
     full, full_steps = run(False)
     screened, screened_steps = run(True)
     assert screened == full
-    assert full_steps == 0 and (screened_steps > 0) == runs_vnni()
+    assert full_steps == 0 and (screened_steps > 0) == runs_vector_loop()
 
 
 def test_the_int4_screen_keeps_log_probabilities_within_a_hundredth_of_the_full_heads() -> None:
     """A sequence keeping its tokens' log-probabilities (the cascade's small model) stays on the
     int8 head's screen: the same tokens as the full head, each answer's mean log-probability
     within 0.01 of the full head's (real Gemma 3 weights, int8)."""
-    if not runs_vnni():
-        pytest.skip("the int4 screen needs the C++ ops' VNNI loop")
+    if not runs_vector_loop():
+        pytest.skip("the int4 screen needs the C++ ops' int4 vector loop")
     loaded = load_model("gemma3-270m")  # a copy of its own: int8 rewrites the model
     texts = [("Where is my parcel?", "en", "de"), ("Ich wurde zweimal belastet.", "de", "en"),
              ("The refund of 25.99 EUR has not arrived yet.", "en", "fr")]  # fmt: skip

@@ -1,9 +1,10 @@
 """kernels.int4_linear: the packing, the quantizer's error, and the C++ op against references.
 
 Two yardsticks: the plain float32 loop (`tolk::int4_linear_plain`) computes exactly the
-dequantized product (float32 rounding); the default loop (AVX512-VNNI) quantizes activations to
-int8 per group of 32, so it must equal that quantization's product exactly when the activations
-are representable, and stay well below the weights' own quantization error otherwise.
+dequantized product (float32 rounding); the default loop (AVX512-VNNI or AVX2) quantizes
+activations to int8 per group of 32, so it must equal that quantization's product exactly when
+the activations are representable, and stay well below the weights' own quantization error
+otherwise.
 """
 
 from __future__ import annotations

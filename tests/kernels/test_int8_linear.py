@@ -17,8 +17,8 @@ from kernels.int8_linear import (
 )
 
 # (M, K, N): decode shapes of SmolLM2 (fused qkv, down) and Gemma 3, tails in K and N, M at
-# and past the streamed loop's 4 rows (above 4: the 4x4-row tiles), and K past one 4096-column
-# int32 chunk of the VNNI loop (on both loops)
+# and past the streamed loop's 4 rows (above 4: the 4x4-row tiles), and K past one int32 chunk
+# of the 16-bit loop (2048 columns with AVX2, 4096 with VNNI; on both loops)
 SHAPES = [(1, 576, 960), (1, 1536, 576), (3, 575, 577), (5, 64, 6), (33, 576, 192),
           (2, 9000, 8), (6, 9000, 5), (1, 7, 3), (4, 640, 1030), (8, 2048, 64)]  # fmt: skip
 
@@ -48,7 +48,7 @@ def test_exact_float32_loop_matches_reference(cpu_op, m: int, k: int, n: int) ->
 
 @pytest.fixture(params=[4, 0], ids=["streamed", "blocked"])
 def loop_order(cpu_op, request: pytest.FixtureRequest) -> Iterator[int]:
-    """The VNNI loop's two orders: weight rows in memory order up to 4 activation rows, or
+    """The 16-bit loop's two orders: weight rows in memory order up to 4 activation rows, or
     4-row blocks at every size; the process's setting restored after the test."""
     before = streamed_rows()
     streamed_rows(request.param)
@@ -58,7 +58,7 @@ def loop_order(cpu_op, request: pytest.FixtureRequest) -> Iterator[int]:
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_default_loop_beats_bfloat16_activations(loop_order, m: int, k: int, n: int) -> None:
-    # The default (VNNI, 16-bit fixed-point activations) must be closer to the exact result
+    # The default (16-bit fixed-point activations) must be closer to the exact result
     # than rounding the activations to bfloat16 (what torch's int8 CPU kernel does), in
     # either loop order.
     x, w, s, exact = _case(m, k, n, seed=1)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from kernels import cpu_ops
 from kernels.greedy_head import Int8Screen
-from kernels.int4_linear import int4_linear, quantize_int4, runs_vnni, supports
+from kernels.int4_linear import int4_linear, quantize_int4, runs_vector_loop, supports
 from kernels.int8_head_screen import Int4Screen
 from kernels.int8_linear import (
     fast_loop_expected,
@@ -241,7 +241,7 @@ def screen_lm_head(model: nn.Module) -> HeadScreen | None:
     screen: HeadScreen
     if isinstance(head, WeightOnlyInt8Linear):
         big = weight.numel() >= INT4_SCREEN_MIN_WEIGHTS
-        if not (big and runs_vnni() and Int4Screen.applies(weight)):
+        if not (big and runs_vector_loop() and Int4Screen.applies(weight)):
             return None
         built = Int4Screen.build(weight, head.scales)
         w, scales, mins = to_huge_pages([built.w, built.scales, built.mins])
