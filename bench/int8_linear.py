@@ -11,7 +11,10 @@ one process and interleaved, the op (`torch.ops.tolk.int8_linear`) and the ancho
 rows; the fastest of `--repeats` calls counts. Beside them the op's own float32 loop
 (`exact_float32=True`: int8 widened to float32 and FMA, the default loop where the CPU has no
 16-bit one), so a change of the default loop is measured against it in the same run. It also
-checks the op against `int8_linear_reference` (max abs error). One JSON object: the machine
+checks the op against `int8_linear_reference` (max abs error). And the int4 op
+(`kernels.int4_linear`, the int8 head's screen: kernels/int8_head_screen.py) on the same
+weights where K allows it (`int4_ms`, `int8_over_int4`): the screen pays where it reads the
+head faster than the int8 op, at every batch the decode serves. One JSON object: the machine
 (CPU model and the flags that decide the loop), per shape and row count the milliseconds of
 each and the ratios (float32 / int8 and float32 loop / int8: above 1, the default int8 loop is
 faster).
@@ -44,6 +47,7 @@ def run(rows: list[int], repeats: int, threads: int) -> JSON:
     import torch.nn.functional as F
 
     from kernels import cpu_ops
+    from kernels.int4_linear import quantize_int4, supports
     from kernels.int8_linear import fast_loop_expected, int8_linear_reference, quantize_int8
 
     if not cpu_ops.load():
@@ -58,6 +62,7 @@ def run(rows: list[int], repeats: int, threads: int) -> JSON:
     for name, (n, k) in SHAPES.items():
         q, scales = quantize_int8(torch.randn(n, k))
         w = (q.float() * scales[:, None]).contiguous()  # the same weights, in float32
+        q4 = quantize_int4(w, refine=0) if supports(k) else None
         reps = repeats if n * k < 10_000_000 else max(3, repeats // 10)
         per_rows: JSON = {}
         for m in rows:
@@ -76,6 +81,9 @@ def run(rows: list[int], repeats: int, threads: int) -> JSON:
                 "float32_loop_over_int8": round(loop / i8, 2),
                 "max_abs_err": float(err.abs().max()),
             }
+            if q4 is not None:
+                i4 = best_ms(lambda: torch.ops.tolk.int4_linear(x, *q4), reps)  # noqa: B023
+                per_rows[str(m)].update(int4_ms=i4, int8_over_int4=round(i8 / i4, 2))
         out["shapes"][f"{name} {n}x{k}"] = per_rows
     return out
 

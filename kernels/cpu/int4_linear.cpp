@@ -252,27 +252,42 @@ inline void load_codes(const uint8_t* p, int64_t R, __m256i* half0, __m256i* hal
                  : _mm256_setzero_si256();
 }
 
-// Up to 8 float16 values from p as float32, zero past `lanes`.
-inline __m256 load_halves(const at::Half* p, int64_t lanes) {
-  if (lanes >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// Up to 8 float16 values from p as float32, zero past `lanes`. A whole 16-byte load where it
+// stays before `end` (the tensor's end; the values past `lanes` then belong to the next row and
+// are masked off), else a copy through the stack: a wide load over narrower stores stalls on
+// store forwarding, so it is kept for a tensor's last row.
+inline __m256 load_halves(const at::Half* p, int64_t lanes, const at::Half* end) {
+  if (lanes <= 0) return _mm256_setzero_ps();
+  if (p + 8 <= end) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (lanes >= 8) return v;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(lanes)), lane);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
+  }
   alignas(16) uint16_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  if (lanes > 0) std::memcpy(tmp, p, static_cast<size_t>(lanes) * sizeof(uint16_t));
+  std::memcpy(tmp, p, static_cast<size_t>(std::min<int64_t>(lanes, 8)) * sizeof(uint16_t));
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
 }
 
-// One weight row (`wr`: K / 2 packed bytes; `sr`, `mr`: its G scales and offsets) against MT <=
-// 2 activation rows from m0: per block, int16 sums per half (d0: lanes 0-7, d1: 8-15), then per
-// lane one float multiply-add by (weight scale x activation scale) and one by (offset x sum).
-// Rows are read front to back, one after another (each task one sequential stream).
+// One weight row (`wr`: K / 2 packed bytes; `sr`, `mr`: its G scales and offsets, `send`,
+// `mend`: the ends of those tensors) against MT <= 4 activation rows from m0: per block, int16
+// sums per half (d0: lanes 0-7, d1: 8-15; a block of at most 8 groups, like Gemma 3's last one
+// at K = 640, only the first), then per lane one float multiply-add by (weight scale x
+// activation scale) and one by (offset x sum). The codes of a step pair are unpacked once for
+// the MT activation rows. Rows are read front to back, one after another (each task one
+// sequential stream).
 template <int MT>
 inline void row_avx2(const PreparedX& px, int64_t m0, int64_t K, const uint8_t* wr,
-                     const at::Half* sr, const at::Half* mr, float* y, int64_t N) {
+                     const at::Half* sr, const at::Half* mr, const at::Half* send,
+                     const at::Half* mend, float* y, int64_t N) {
   const int64_t G = K / kGroup, blocks = px.blocks;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t R = std::min(kLanes, G - b * kLanes);
+    const bool wide = R > 8;
     const uint8_t* wb = wr + b * kLanes * 16;
     const int8_t* xb[MT];
     for (int m = 0; m < MT; ++m) xb[m] = px.q.data() + ((m0 + m) * blocks + b) * kBlockCols;
@@ -283,31 +298,38 @@ inline void row_avx2(const PreparedX& px, int64_t m0, int64_t K, const uint8_t* 
       load_codes(wb + u * 4 * R, R, &c0, &c1);
       const __m256i lo0 = _mm256_and_si256(c0, low4);
       const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low4);
-      const __m256i lo1 = _mm256_and_si256(c1, low4);
-      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low4);
       for (int m = 0; m < MT; ++m) {
         const auto* xs = reinterpret_cast<const __m256i*>(xb[m] + (2 * u) * 64);  // 2 steps
         d0[m] = _mm256_add_epi16(d0[m], _mm256_maddubs_epi16(lo0, _mm256_loadu_si256(xs)));
-        d1[m] = _mm256_add_epi16(d1[m], _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(xs + 1)));
         d0[m] = _mm256_add_epi16(d0[m], _mm256_maddubs_epi16(hi0, _mm256_loadu_si256(xs + 2)));
+      }
+      if (!wide) continue;
+      const __m256i lo1 = _mm256_and_si256(c1, low4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low4);
+      for (int m = 0; m < MT; ++m) {
+        const auto* xs = reinterpret_cast<const __m256i*>(xb[m] + (2 * u) * 64);
+        d1[m] = _mm256_add_epi16(d1[m], _mm256_maddubs_epi16(lo1, _mm256_loadu_si256(xs + 1)));
         d1[m] = _mm256_add_epi16(d1[m], _mm256_maddubs_epi16(hi1, _mm256_loadu_si256(xs + 3)));
       }
     }
     const int64_t g0 = b * kLanes, r0 = std::min<int64_t>(R, 8), r1 = R - r0;
-    const __m256 ws0 = load_halves(sr + g0, r0), wm0 = load_halves(mr + g0, r0);
-    const __m256 ws1 = load_halves(sr + g0 + 8, r1), wm1 = load_halves(mr + g0 + 8, r1);
+    const __m256 ws0 = load_halves(sr + g0, r0, send), wm0 = load_halves(mr + g0, r0, mend);
     for (int m = 0; m < MT; ++m) {
       const int64_t xo = ((m0 + m) * blocks + b) * kLanes;
-      const float* xsc = px.scale.data() + xo;
-      const float* xsum = px.sum.data() + xo;
       const __m256 dot0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(d0[m], ones));
-      acc[m] = _mm256_fmadd_ps(dot0, _mm256_mul_ps(ws0, _mm256_loadu_ps(xsc)), acc[m]);
-      acc[m] = _mm256_fmadd_ps(wm0, _mm256_loadu_ps(xsum), acc[m]);
-      if (r1 > 0) {
-        const __m256 dot1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(d1[m], ones));
-        acc[m] = _mm256_fmadd_ps(dot1, _mm256_mul_ps(ws1, _mm256_loadu_ps(xsc + 8)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(wm1, _mm256_loadu_ps(xsum + 8), acc[m]);
-      }
+      acc[m] = _mm256_fmadd_ps(
+          dot0, _mm256_mul_ps(ws0, _mm256_loadu_ps(px.scale.data() + xo)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(wm0, _mm256_loadu_ps(px.sum.data() + xo), acc[m]);
+    }
+    if (!wide) continue;
+    const __m256 ws1 = load_halves(sr + g0 + 8, r1, send);
+    const __m256 wm1 = load_halves(mr + g0 + 8, r1, mend);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t xo = ((m0 + m) * blocks + b) * kLanes + 8;
+      const __m256 dot1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(d1[m], ones));
+      acc[m] = _mm256_fmadd_ps(
+          dot1, _mm256_mul_ps(ws1, _mm256_loadu_ps(px.scale.data() + xo)), acc[m]);
+      acc[m] = _mm256_fmadd_ps(wm1, _mm256_loadu_ps(px.sum.data() + xo), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) {
@@ -318,15 +340,34 @@ inline void row_avx2(const PreparedX& px, int64_t m0, int64_t K, const uint8_t* 
   }
 }
 
+// Weight rows [n_begin, n_end) against all M activation rows. The outputs of a tile of kTile
+// weight rows are gathered in a small buffer and written out after it: written in place, M
+// output rows N floats apart are M more memory streams beside the weights' one, and from 4 of
+// them on (AMD EPYC family 25 model 1) the op ran 2.5x slower than at 3.
+constexpr int64_t kTile = 64;
+
 void rows_avx2(const PreparedX& px, int64_t M, int64_t K, const uint8_t* w,
                const at::Half* scales, const at::Half* mins, float* y, int64_t N,
                int64_t n_begin, int64_t n_end) {
   const int64_t G = K / kGroup, Kb = K / 2;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* wr = w + n * Kb;
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) row_avx2<2>(px, m, K, wr, scales + n * G, mins + n * G, y + n, N);
-    if (m < M) row_avx2<1>(px, m, K, wr, scales + n * G, mins + n * G, y + n, N);
+  const at::Half *send = scales + N * G, *mend = mins + N * G;
+  std::vector<float> tile(static_cast<size_t>(M * kTile));
+  for (int64_t t0 = n_begin; t0 < n_end; t0 += kTile) {
+    const int64_t t1 = std::min(n_end, t0 + kTile);
+    for (int64_t n = t0; n < t1; ++n) {
+      const uint8_t* wr = w + n * Kb;
+      const at::Half *sr = scales + n * G, *mr = mins + n * G;
+      float* out = tile.data() + (n - t0);
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) row_avx2<3>(px, m, K, wr, sr, mr, send, mend, out, kTile);
+      switch (M - m) {
+        case 2: row_avx2<2>(px, m, K, wr, sr, mr, send, mend, out, kTile); break;
+        case 1: row_avx2<1>(px, m, K, wr, sr, mr, send, mend, out, kTile); break;
+        default: break;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      std::copy(tile.data() + m * kTile, tile.data() + m * kTile + (t1 - t0), y + m * N + t0);
   }
 }
 #endif
