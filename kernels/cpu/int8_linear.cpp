@@ -153,11 +153,11 @@ inline int32_t dot_tail(const int16_t* xq, const int8_t* wr, int64_t k0, int64_t
   return sum;
 }
 
-// One weight row `wr` against MT <= 4 activation rows, read front to back (row_vnni's order),
-// two accumulator chains per activation row (even and odd 16-column halves of each 32).
+// One weight row `wr` against MT <= 4 activation rows, read front to back (the VNNI kernel's
+// order), two accumulator chains per activation row (even and odd 16-column halves of each 32).
 template <int MT>
-inline void row_avx2_i16(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
-                         const int8_t* wr, float scale, float* y, int64_t N) {
+inline void row_int16(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
+                      const int8_t* wr, float scale, float* y, int64_t N) {
   const int64_t K32 = K / 32 * 32;
   __m256 accf[MT];
   for (int m = 0; m < MT; ++m) accf[m] = _mm256_setzero_ps();
@@ -228,19 +228,6 @@ void rows_int16_blocked(const int16_t* xq, int64_t Kp, const float* xs, int64_t 
   }
 }
 
-void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
-                         const int8_t* w, const float* scales, float* y, int64_t N,
-                         int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
-    const int8_t* wr = w + n * K;
-    switch (M) {
-      case 4: row_avx2_i16<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 3: row_avx2_i16<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 2: row_avx2_i16<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      default: row_avx2_i16<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-    }
-  }
-}
 #define TOLK_INT16 1
 #endif
 
@@ -321,8 +308,8 @@ inline void block_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t K
 // Two accumulator chains per activation row (even and odd 32-column steps) keep vpdpwssd's
 // latency hidden at MT = 1.
 template <int MT>
-inline void row_vnni(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
-                     const int8_t* wr, float scale, float* y, int64_t N) {
+inline void row_int16(const int16_t* xq, int64_t Kp, const float* xs, int64_t K,
+                      const int8_t* wr, float scale, float* y, int64_t N) {
   __m512 accf[MT];
   for (int m = 0; m < MT; ++m) accf[m] = _mm512_setzero_ps();
   for (int64_t kc = 0; kc < K; kc += kChunk) {
@@ -372,19 +359,6 @@ void rows_int16_blocked(const int16_t* xq, int64_t Kp, const float* xs, int64_t 
   }
 }
 
-void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
-                         const int8_t* w, const float* scales, float* y, int64_t N,
-                         int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
-    const int8_t* wr = w + n * K;
-    switch (M) {
-      case 4: row_vnni<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 3: row_vnni<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      case 2: row_vnni<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-      default: row_vnni<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
-    }
-  }
-}
 #endif
 
 #ifdef TOLK_INT16
@@ -404,6 +378,22 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int1
   }
 }
 
+
+// Weight rows in memory order, each against all M <= 4 activation rows (row_int16: the VNNI or
+// the AVX2 kernel, whichever this build has).
+void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
+                         const int8_t* w, const float* scales, float* y, int64_t N,
+                         int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
+    const int8_t* wr = w + n * K;
+    switch (M) {
+      case 4: row_int16<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 3: row_int16<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      case 2: row_int16<2>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+      default: row_int16<1>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
+    }
+  }
+}
 #endif
 
 // One output row n for activation rows [0, M): the portable path (and the N % 4 rest).
