@@ -6,11 +6,11 @@ the rest of a warm request's prefill; at 4-8 rows MKL's GEMM over that width get
 
 Screening (the same signature as the reference, `greedy_tokens(x, weight, screen, softcap)`):
 
-1. approximate logits from int8 weights, `kernels.int8_linear` (a quarter of the bytes; on
-   AVX512-VNNI with activations as per-row 16-bit fixed point);
+1. approximate logits from int8 weights, `kernels.int8_linear` (a quarter of the bytes;
+   activations as per-row 16-bit fixed point, on AVX512-VNNI and on AVX2 alike);
 2. a rigorous bound on each approximate logit's error, per row `r` and vocab entry `n`:
        |approx - exact| <= a_r * act_n + ||x_r||_2 * wt_n
-   where `a_r = max|x_r| / 32767` is the activation step of the VNNI path (each activation is
+   where `a_r = max|x_r| / 32767` is the activation step of the 16-bit path (each activation is
    off by at most 0.51 a_r, hence `act_n = 0.51 * s_n * ||q_n||_1`), and `wt_n` is
    `||w_n - s_n q_n||_2` (Cauchy-Schwarz over the weight rounding) plus a float32-rounding term
    `gamma_K * (||w_n||_2 + ||w_n - s_n q_n||_2)`, both precomputed once with upward margins;
@@ -42,7 +42,7 @@ from torch import Tensor
 from kernels import cpu_ops
 from kernels.int8_linear import int8_linear, quantize_int8
 
-_ACT_STEPS = 32767.0  # the VNNI path's activation fixed point: a_r = max|x_r| / 32767
+_ACT_STEPS = 32767.0  # the 16-bit path's activation fixed point: a_r = max|x_r| / 32767
 _ACT_ERR = 0.51  # max |x - a_r * round(x / a_r)| in steps, float rounding of x / a_r included
 
 

@@ -221,7 +221,7 @@ INT4_SCREEN_MIN_WEIGHTS = 64 * 2**20
 
 def screen_lm_head(model: nn.Module) -> HeadScreen | None:
     """The LM head's screen for greedy rows, or None where none applies (a bfloat16 or GPU
-    head, no C++ ops, an int8 head without the int4 VNNI loop, a float32 head on a CPU where
+    head, no C++ ops, an int8 head without an int4 vector loop, a float32 head on a CPU where
     the int8 op has no fast loop):
     - a float32 head: an int8 copy with a rigorous error bound (`Int8Screen`, 168 MB for
       Gemma 3's head, ~1.5 s);
