@@ -380,12 +380,19 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int1
 
 
 // Weight rows in memory order, each against all M <= 4 activation rows (row_int16: the VNNI or
-// the AVX2 kernel, whichever this build has).
+// the AVX2 kernel, whichever this build has). Each row first asks for the one kAheadRows
+// later (software prefetch): the hardware's stream prefetcher alone left two cores at 18-19
+// GB/s on Gemma 3's layers where, asked ahead, they read 22-24 (AMD EPYC family 25 model 1,
+// a standalone copy of the loop); the op itself, a step's 72 layer calls, 0.94-0.96x its time
+// before (its fixed costs a call stay). Prefetches past the tensor's end are dropped.
+constexpr int64_t kAheadRows = 4;
+
 void rows_int16_streamed(const int16_t* xq, int64_t Kp, const float* xs, int64_t M, int64_t K,
                          const int8_t* w, const float* scales, float* y, int64_t N,
                          int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {  // weight rows in memory order; M <= 4
     const int8_t* wr = w + n * K;
+    for (int64_t off = 0; off < K; off += 64) __builtin_prefetch(wr + kAheadRows * K + off);
     switch (M) {
       case 4: row_int16<4>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;
       case 3: row_int16<3>(xq, Kp, xs, K, wr, scales[n], y + n, N); break;

@@ -25,8 +25,10 @@ from kernels.int4_linear import (
 
 # (M, K, N): Gemma 3 270M's shapes (K 640 = a block of 16 groups + a narrow one of 4),
 # SmolLM2's (576 = 16 + 2), a single group, wide last blocks (384 = 12 groups, 896 = 16 + 12),
-# M through the 4-, 2- and 1-row tiles, N past the 4-row blocks
-SHAPES = [(1, 640, 1024), (1, 2048, 640), (3, 576, 960), (5, 32, 7), (9, 1536, 13),
+# M through the 4-, 2- and 1-row tiles, N past the 4-row blocks; one row against last blocks of
+# 4 groups (K 640, 128: the AVX2 loop's paired narrow block), 3, 5, 12 and 2 groups
+SHAPES = [(1, 640, 1024), (1, 2048, 640), (3, 576, 960), (5, 32, 7), (9, 1536, 13), (1, 640, 10),
+          (1, 128, 9), (1, 96, 6), (1, 160, 5), (1, 896, 11), (1, 576, 7),
           (2, 512, 4), (4, 384, 8), (7, 896, 12)]  # fmt: skip
 
 
