@@ -68,8 +68,9 @@ def serving_args(args: argparse.Namespace, *extra: str) -> argparse.Namespace:
 
 
 def by_rate(result: JSON) -> dict[str, JSON]:
-    """{rate: {"p50_s", "p99_ok_s", "p99_s", "statuses"}} over all languages of a serving
-    result's runs (and "cascade_outcomes" where a cascade worker served)."""
+    """{rate: {"p50_s", "p99_ok_s", "p99_s", "statuses", "stages_s", "engine_steps"}} over all
+    languages of a serving result's runs (and "cascade_outcomes" where a cascade worker
+    served)."""
     out = {}
     for row in result["runs"]:
         figures = row["languages"]["all"]
@@ -78,6 +79,10 @@ def by_rate(result: JSON) -> dict[str, JSON]:
             "p99_ok_s": figures.get("p99_ok_s"),
             "p99_s": figures.get("p99_s"),
             "statuses": figures.get("statuses"),
+            # where the time went (queue / prefill / decode P50 and P99) and the engine's steps:
+            # what tells a slow first start's cause from the explicit start's
+            "stages_s": figures.get("stages_s"),
+            "engine_steps": row.get("engine_steps"),
         }
         if "cascade_outcomes" in row:  # a cascade worker's (bench.cascade --serving)
             out[f"{row['total_rate']:g}"]["cascade_outcomes"] = row["cascade_outcomes"]

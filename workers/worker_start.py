@@ -241,6 +241,23 @@ def cache_variant(config: Any) -> str:
     return f"quantize={config.quantize or ''}{dtype_part}"
 
 
+def after_switch(engine: Any, served: Any, cap: Any) -> None:
+    """What the worker changes once the tuner moved `engine` to another configuration: the
+    translation cache keys answers by the new weight format, and the scheduler's pace hook
+    (workers/serving/pace.py) takes the new configuration's decode step at its batch cap
+    (`cap.step_s`, measured by the probe). Kept as it was, a first start's pace held the
+    unmeasured start's figure for good: the latency prior's step at the default cap of 32 (95
+    ms), with which many running requests read as at risk and newcomers of the other languages
+    waited for them."""
+    served.set_cache_variant(cache_variant(engine.config))
+    pace = getattr(engine.scheduler, "pace", None)
+    step_s = getattr(cap, "step_s", None)
+    if pace is not None and step_s:
+        log.info("pace: a decode step now counts %.1f ms (was %.1f)", step_s * 1e3,
+                 pace.decode_step_s * 1e3)  # fmt: skip
+        pace.decode_step_s = step_s
+
+
 def _start_tuner(
     engine: Any,
     served: Any,
@@ -251,7 +268,7 @@ def _start_tuner(
     slo: float | None,
 ) -> Any:
     """The background probe and online check of the served configuration (tuner.py); after a
-    switch the cache keys answers by the new weight format."""
+    switch, `after_switch`."""
     from dataclasses import replace
 
     from workers.engine.autoconfig import Overrides
@@ -267,8 +284,10 @@ def _start_tuner(
         wait_until_warm(engine, WARM_WAIT_S)
         return auto_config(settings.model, root, over, settings.model, force=True)
 
+    caps: dict[str, Any] = {}  # the batch cap of the configuration last built
+
     def build(new: Any) -> Any:
-        cap = choose_batch_cap(new.tok_s_by_batch, slo, EngineConfig().max_num_seqs)
+        cap = caps["built"] = choose_batch_cap(new.tok_s_by_batch, slo, EngineConfig().max_num_seqs)
         c = new.candidate
         config = replace(
             engine.config, dtype=c.dtype, quantize=c.quantize, compile_decode=c.compile_decode,
@@ -278,7 +297,7 @@ def _start_tuner(
         return Engine.from_config(config)
 
     def switched(old: str, new: str, why: str) -> None:
-        served.set_cache_variant(cache_variant(engine.config))
+        after_switch(engine, served, caps.get("built"))
 
     watch = plan.cascade is None  # the large model's steps would read as a slow configuration
     if not watch:
