@@ -16,6 +16,10 @@ reachable) and hands over a `WorkerPlan`; `run_worker` then
    stored, the served speed checked against the probe's, a move without a restart);
 6. runs the Kafka worker until it is stopped, and returns the process's exit code.
 
+One concern, over 400 lines: the start-up above, its steps in the order they run (step 5's
+wiring, `_start_tuner` and `after_switch`, included: what a switch changes is the start's own
+choices, its cache variant and the pace's step).
+
 A configuration that cannot start raises `StartRefused` (a message, the exit code, and the
 option to blame when there is one) before any record is consumed. SIGTERM / SIGINT before the
 worker consumes end the process by their default action (nothing consumed, nothing to drain);
