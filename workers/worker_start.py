@@ -34,7 +34,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.engine.batch_cap import BatchCap
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +248,7 @@ def cache_variant(config: Any) -> str:
     return f"quantize={config.quantize or ''}{dtype_part}"
 
 
-def after_switch(engine: Any, served: Any, cap: Any) -> None:
+def after_switch(engine: Any, served: Any, cap: BatchCap | None) -> None:
     """What the worker changes once the tuner moved `engine` to another configuration: the
     translation cache keys answers by the new weight format, and the scheduler's pace hook
     (workers/serving/pace.py) takes the new configuration's decode step at its batch cap
@@ -254,8 +257,8 @@ def after_switch(engine: Any, served: Any, cap: Any) -> None:
     ms), with which many running requests read as at risk and newcomers of the other languages
     waited for them."""
     served.set_cache_variant(cache_variant(engine.config))
-    pace = getattr(engine.scheduler, "pace", None)
-    step_s = getattr(cap, "step_s", None)
+    pace = engine.scheduler.pace  # None without the fair engine's hook
+    step_s = cap.step_s if cap is not None else None
     if pace is not None and step_s:
         log.info("pace: a decode step now counts %.1f ms (was %.1f)", step_s * 1e3,
                  pace.decode_step_s * 1e3)  # fmt: skip
@@ -288,7 +291,7 @@ def _start_tuner(
         wait_until_warm(engine, WARM_WAIT_S)
         return auto_config(settings.model, root, over, settings.model, force=True)
 
-    caps: dict[str, Any] = {}  # the batch cap of the configuration last built
+    caps: dict[str, BatchCap] = {}  # the batch cap of the configuration last built
 
     def build(new: Any) -> Any:
         cap = caps["built"] = choose_batch_cap(new.tok_s_by_batch, slo, EngineConfig().max_num_seqs)
