@@ -263,6 +263,9 @@ def test_a_stored_probe_is_reused_only_if_it_measured_what_can_be_chosen() -> No
     # every gated format compiled too: int8 compiled alone does not cover float32's (issue #47)
     assert not _covers(SPEEDS, gates, Overrides())
     assert _covers([*SPEEDS, measured(F32C, 15.0, 80.0)], gates, Overrides())
+    # a compile the bound showed hopeless counts as measured (probing again would skip it again)
+    skipped = Measurement(F32C, None, None, "not compiled: eager 12.0 x 2.50 < 90.0 tok/s")
+    assert _covers([*SPEEDS, skipped], gates, Overrides())
 
 
 def test_probe_key_changes_with_the_kernels(

@@ -147,3 +147,116 @@ def test_candidates_are_measured_format_by_format_when_all_would_not_fit() -> No
     # a 1.5B model: 6.2 GB float32: float32 (2x) + int8 + loading = 22 GB > 60 % of 20 GB
     assert groups_that_fit(wanted, int(6.2 * gib), 20 * gib) == [[F32, F32C], [I8, I8C]]
     assert groups_that_fit(wanted, int(6.2 * gib), None) == [wanted]  # unknown: as before
+
+
+class _FakeEngine:
+    def __init__(self, label: str, loaded: object) -> None:
+        self.label, self.loaded = label, loaded
+
+
+BF16 = Candidate("bfloat16", False)
+BF16C = Candidate("bfloat16", True)
+# sqrt(b1 * b8) of each candidate: Gemma 3 270M's shape on the Zen 3 (int8 compiled 1.7x eager)
+SCORES = {F32: 24.0, F32C: 26.0, BF16: 16.0, BF16C: 19.0, I8: 39.0, I8C: 67.0}
+
+
+def _fake_probe(monkeypatch: pytest.MonkeyPatch, fits: bool) -> list[tuple[str, bool]]:
+    """`_build` and `_decode_tok_s` replaced: engines that decode at `SCORES`; returns the log
+    of builds as (label, whether it got another engine's weights)."""
+    builds: list[tuple[str, bool]] = []
+
+    def fake_build(model: str, c: Candidate, root: Path, loaded: Any) -> Any:
+        builds.append((c.label, loaded is not None))
+        return _FakeEngine(c.label, loaded or f"weights-{c.weights}")
+
+    by_label = {c.label: s for c, s in SCORES.items()}
+    monkeypatch.setattr(probe_runs, "_build", fake_build)
+    monkeypatch.setattr(probe_runs, "_decode_tok_s", lambda e, b: by_label[e.label])
+    monkeypatch.setattr(probe_runs, "ROUNDS", 1)
+    monkeypatch.setattr(probe_runs, "_checkpoint_bytes", lambda model, root: 10**9)
+    monkeypatch.setattr(probe_runs, "_available_bytes", lambda: 10**12 if fits else 10**9)
+    return builds
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_compile_no_kept_gain_could_make_the_winner_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fits: bool
+) -> None:
+    """Eager engines first; int8 (best eager) compiled first; float32 (24 x 2.5 = 60) and
+    bfloat16 (40) cannot reach int8 + compiled's 67: not compiled, and their lines say why.
+    Held together or format by format, the record has every candidate's figure or reason."""
+    builds = _fake_probe(monkeypatch, fits)
+    wanted = [F32, F32C, BF16, BF16C, I8, I8C]
+    record = probe_runs.measure_candidates("m", wanted, tmp_path, compile_gain=2.5)
+    got = {m.candidate: m for m in record.measurements}
+    assert [c for c in wanted if c in got] == wanted  # every candidate, in the wanted order
+    assert [label for label, _ in builds][:3] == [F32.label, BF16.label, I8.label]
+    compiled_built = [label for label, _ in builds if "compiled" in label]
+    assert compiled_built == [I8C.label]
+    for c in (F32C, BF16C):
+        assert got[c].score is None and got[c].note.startswith(probe_runs.PRUNED)
+        assert "x 2.50 < 67.0" in got[c].note
+    assert got[I8C].score == pytest.approx(67.0) and got[F32].score == pytest.approx(24.0)
+    # the compiled engine reuses the eager one's weights (held together), or the eager engine
+    # is built again on the compiled one's weights for the pair (format by format)
+    assert (I8C.label, fits) in builds
+    assert (I8.label, True) in builds or fits
+
+
+def test_a_larger_bound_compiles_what_could_still_win(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    builds = _fake_probe(monkeypatch, fits=True)
+    wanted = [F32, F32C, BF16, BF16C, I8, I8C]
+    record = probe_runs.measure_candidates("m", wanted, tmp_path, compile_gain=3.0)
+    compiled_built = [label for label, _ in builds if "compiled" in label]
+    assert compiled_built == [I8C.label, F32C.label]  # 24 x 3 = 72 > 67: it might have won
+    got = {m.candidate: m for m in record.measurements}
+    assert got[F32C].score == pytest.approx(26.0) and got[BF16C].note.startswith("not compiled")
+    # no bound: every format compiled (the probe as before)
+    builds.clear()
+    probe_runs.measure_candidates("m", wanted, tmp_path)
+    assert len([label for label, _ in builds if "compiled" in label]) == 3
+
+
+def test_compile_gains_are_kept_and_raise_the_bound_never_lower_it(tmp_path: Path) -> None:
+    from workers.engine import autoprobe
+
+    floor = autoprobe.COMPILE_GAIN_FLOOR * autoprobe.GAIN_MARGIN
+    assert autoprobe.compile_gain_bound(tmp_path) == pytest.approx(floor)
+    record = ProbeRecord(
+        (Measurement(I8, 20.0, 80.0), Measurement(I8C, 60.0, 240.0),  # 3.0x
+         Measurement(F32, 40.0, 40.0), Measurement(F32C, None, None, "not compiled: ...")),
+        0.0, 1.0,
+    )  # fmt: skip
+    autoprobe.keep_compile_gains(tmp_path, record, "/models/gemma.gguf")
+    [kept] = autoprobe._read_gains(tmp_path)
+    assert kept["weights"] == "int8" and kept["gain"] == pytest.approx(3.0)
+    assert kept["model"] == "gemma.gguf"
+    assert autoprobe.compile_gain_bound(tmp_path) == pytest.approx(3.0 * autoprobe.GAIN_MARGIN)
+    slower = ProbeRecord((Measurement(I8, 20.0, 80.0), Measurement(I8C, 10.0, 40.0)), 0.0, 2.0)
+    autoprobe.keep_compile_gains(tmp_path, slower, "gemma")
+    assert len(autoprobe._read_gains(tmp_path)) == 2
+    assert autoprobe.compile_gain_bound(tmp_path) == pytest.approx(3.0 * autoprobe.GAIN_MARGIN)
+    autoprobe.gains_path(tmp_path).write_text("{not json")
+    assert autoprobe.compile_gain_bound(tmp_path) == pytest.approx(floor)  # corrupt: the floor
+
+
+@pytest.mark.slow
+def test_the_staged_probe_on_real_engines(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SmolLM2's real eager engines through the staged path: measured, every compile skipped by
+    a bound below 1 (nothing compiles: a cold compile takes minutes), the record complete."""
+    from workers.engine.disk_cache import cache_root
+
+    monkeypatch.setattr(probe_runs, "DECODE_STEPS", 4)
+    monkeypatch.setattr(probe_runs, "ROUNDS", 1)
+    (tmp_path / "weights").symlink_to(cache_root() / "weights")  # the dequantized checkpoints
+    wanted = [F32, F32C, I8, I8C]
+    record = probe_runs.measure_candidates("smollm2-135m", wanted, tmp_path, compile_gain=0.5)
+    got = {m.candidate: m for m in record.measurements}
+    assert list(got) == wanted
+    assert (got[F32].score or 0) > 0 and (got[I8].score or 0) > 0
+    assert dict(got[I8].larger).keys() == {16, 32}  # the cap's batch sizes, on the final rounds
+    for c in (F32C, I8C):
+        assert got[c].score is None and got[c].note.startswith(probe_runs.PRUNED)
+    assert 0.0 <= record.others_share <= 1.0

@@ -26,6 +26,13 @@ it never tried):
   the record is written but marked busy: it serves until the tuner measures again on a quieter
   host (workers/engine/tuner.py), instead of deciding the machine's speed for good.
 
+- **no compile it can show hopeless**: a format whose eager figure, times the largest
+  compiled-over-eager speed-up any kept probe measured (`compile_gain_bound`: at least
+  `COMPILE_GAIN_FLOOR`, with `GAIN_MARGIN` for one set of rounds' noise), stays below the best
+  figure measured is not compiled (workers/engine/probe_runs.py). Every probe that measured a
+  format both ways adds its speed-up to `probes/compile-gains.json` (`keep_compile_gains`), so
+  the bound follows what this machine has shown.
+
 A format the gate fails is not measured (its line says so). The worker does not wait for this
 on a machine it has never seen: `resolve_worker_config(background=True)` returns the unmeasured
 choice (`unmeasured_choice`) and the tuner runs the probe beside the serving engine.
@@ -33,6 +40,7 @@ choice (`unmeasured_choice`) and the tuner runs the probe beside the serving eng
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -58,11 +66,17 @@ from workers.engine.disk_cache import (
     tolk_version,
     write_record,
 )
-from workers.engine.probe_runs import ProbeRecord, measure_candidates
+from workers.engine.probe_runs import PRUNED, ProbeRecord, measure_candidates
 
 log = logging.getLogger(__name__)
 
 PROBE_VERSION = 3  # bump when what the probe measures changes (3: every format compiled, rounds)
+# The largest compiled-over-eager speed-up of sqrt(b1 * b8) in the probes docs/BENCHMARKS.md
+# keeps is int8 on the 2-vCPU Zen 3: 1.74x (b1 20.6 -> 42.7, b8 73.1 -> 106.5 tok/s); float32 and
+# bfloat16 gained 0.8-1.5x. The floor stands above it; kept gains raise the bound, never lower it.
+COMPILE_GAIN_FLOOR = 2.0
+GAIN_MARGIN = 1.25  # the figures that decide a skip are one set of rounds, not the record's
+GAINS_KEPT = 200  # the newest entries of probes/compile-gains.json
 
 
 def auto_config(
@@ -160,7 +174,9 @@ def run_probe(
             asked_other = overrides.weights not in (None, weights)
             why = "another format asked for" if asked_other else "gate fails"
             skipped.append(Measurement(Candidate(weights, False), None, None, why))
-    record = measure_candidates(model, wanted, cache_root, skipped)
+    bound = compile_gain_bound(cache_root)
+    record = measure_candidates(model, wanted, cache_root, skipped, compile_gain=bound)
+    keep_compile_gains(cache_root, record, model)
     value = {
         "measurements": [_to_json(m) for m in record.measurements],
         "others_share": record.others_share,
@@ -172,14 +188,61 @@ def run_probe(
     return record
 
 
+def gains_path(cache_root: Path) -> Path:
+    return cache_root / "probes" / "compile-gains.json"
+
+
+def compile_gain_bound(cache_root: Path) -> float:
+    """The most compiling may speed a format up, as far as anything kept shows, with a margin:
+    max(`COMPILE_GAIN_FLOOR`, every kept gain) x `GAIN_MARGIN`."""
+    kept = [float(g["gain"]) for g in _read_gains(cache_root)]
+    return max([COMPILE_GAIN_FLOOR, *kept]) * GAIN_MARGIN
+
+
+def keep_compile_gains(cache_root: Path, record: ProbeRecord, model: str) -> None:
+    """Add the record's compiled-over-eager speed-ups (formats measured both ways) to the kept
+    gains; a busy record's too: a gain a burst inflated only makes the bound more cautious."""
+    scores = {m.candidate: m.score for m in record.measurements if m.score}
+    new = [
+        {
+            "cpu": cpu_fingerprint(),
+            "model": Path(model).name,
+            "weights": c.weights,
+            "gain": round(compiled / scores[Candidate(c.weights, False)], 4),
+            "at": record.measured_at,
+        }  # fmt: skip
+        for c, compiled in scores.items()
+        if c.compile_decode and Candidate(c.weights, False) in scores
+    ]
+    if not new:
+        return
+    path = gains_path(cache_root)
+    kept = (_read_gains(cache_root) + new)[-GAINS_KEPT:]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gains": kept}, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: the floor still bounds the next probe
+        log.warning("auto config: cannot keep compile gains in %s: %s", path, exc)
+
+
+def _read_gains(cache_root: Path) -> list[dict[str, Any]]:
+    try:
+        gains = json.loads(gains_path(cache_root).read_text()).get("gains", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [g for g in gains if isinstance(g, dict) and isinstance(g.get("gain"), int | float)]
+
+
 def _covers(got: list[Measurement], gates: dict[str, Gate], over: Overrides) -> bool:
     """Whether a stored probe measured everything these gates and flags can choose from: every
     eligible format eagerly, and compiled too unless the flags rule it out (a candidate that
-    could not run counts as measured: it would fail again)."""
+    could not run counts as measured: it would fail again; so does a compile the bound skipped)."""
     tried = {
         m.candidate
         for m in got
-        if m.score is not None or m.note.startswith(("unavailable", "failed"))
+        if m.score is not None or m.note.startswith(("unavailable", "failed", PRUNED))
     }
     return all(c in tried for c in _wanted(gates, over))
 

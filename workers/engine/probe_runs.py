@@ -15,6 +15,17 @@ Every candidate's engine is held at once when their estimated memory fits (`grou
 1.5B model's float32 engines alone take ~12 GB); otherwise the formats are measured one after
 the other, each format's eager and compiled engines still interleaved, and the log says so.
 
+**Compiles it can show are not worth it are skipped** (`compile_gain`, given by autoprobe.py:
+the largest compiled-over-eager speed-up of any kept probe, with a margin). Compiling a format
+takes ~100 s on a Xeon and ~300 s on a 2-vCPU Zen 3, most of a first start's probe. So the
+eager engines are measured first; then the formats are compiled best eager figure first, each
+compiled engine measured beside its eager one; a format whose eager figure times `compile_gain`
+stays below the best figure measured so far is not compiled: no speed-up ever kept could lift it
+to the winner (its line says so, `PRUNED`). On Gemma 3 270M on the Zen 3 this spares bfloat16's
+and float32's compiles (eager 0.4x and 0.6x int8 + compiled's figure). The held engines are then
+measured once more, interleaved, for the record (one group), or each format's pair is its
+record (format by format).
+
 Only decode-only steps count (the engine's step trace), as bench/engine.py measures them. Around
 it all, the share of the machine's CPU time other processes took (`/proc/stat` less this
 process's own time, steal included; the load average where /proc is missing) is recorded: the
@@ -65,17 +76,27 @@ class ProbeRecord:
 
 
 def measure_candidates(
-    model: str, wanted: Sequence[Candidate], root: Path, skipped: Sequence[Measurement] = ()
+    model: str,
+    wanted: Sequence[Candidate],
+    root: Path,
+    skipped: Sequence[Measurement] = (),
+    compile_gain: float | None = None,
 ) -> ProbeRecord:
     """Each of `wanted` measured (module notes); `skipped`: the lines of those not measured.
     All candidates are held at once when they fit in memory (`groups_that_fit`), else format
-    by format (each format's eager and compiled engines still interleaved)."""
+    by format (each format's eager and compiled engines still interleaved). `compile_gain`:
+    the bound on compiling's speed-up that lets it skip hopeless compiles (None: compile all)."""
     out: list[Measurement] = list(skipped)
     if not wanted:
         return ProbeRecord(tuple(out), 0.0, time.time())
     groups = groups_that_fit(wanted, _checkpoint_bytes(model, root), _available_bytes())
     if len(groups) > 1:
         log.info("auto config: measuring format by format (all at once would not fit in memory)")
+    paired = {c.weights for c in wanted if c.compile_decode} & {
+        c.weights for c in wanted if not c.compile_decode
+    }
+    if compile_gain is not None and len(paired) > 1:
+        return _measure_pruning_compiles(model, wanted, root, out, compile_gain, len(groups) == 1)
     others: list[float] = []
     for group in groups:
         engines: dict[Candidate, Any] = {}
@@ -97,6 +118,86 @@ def measure_candidates(
             loaded.clear()
             trim_heap()  # the candidates' weights back to the system (heap.py)
         others.append(_others_share(before, _cpu_sample()))
+    return ProbeRecord(tuple(out), max(others, default=0.0), time.time())
+
+
+PRUNED = "not compiled"  # a Measurement note: the bound showed compiling could not win
+
+
+def _measure_pruning_compiles(
+    model: str,
+    wanted: Sequence[Candidate],
+    root: Path,
+    out: list[Measurement],
+    compile_gain: float,
+    together: bool,
+) -> ProbeRecord:
+    """Eager engines first, then compiles best eager figure first, each skipped when its eager
+    figure times `compile_gain` stays below the best so far (module notes). `together`: every
+    engine held at once and measured interleaved at the end; else format by format."""
+    figures: dict[Candidate, Measurement] = {}  # each candidate's latest measurement
+    engines: dict[Candidate, Any] = {}
+    loaded: dict[str, Any] = {}  # a format's eager and compiled engines share its weights
+    others: list[float] = []
+
+    def timed(group: dict[Candidate, Any]) -> None:
+        before = _cpu_sample()  # around the timed runs only (building compiles in subprocesses)
+        figures.update({m.candidate: m for m in _measure_rounds(group)})
+        others.append(_others_share(before, _cpu_sample()))
+
+    def drop_all() -> None:
+        engines.clear()
+        loaded.clear()
+        trim_heap()  # the candidates' weights back to the system (heap.py)
+
+    try:
+        for c in (c for c in wanted if not c.compile_decode):
+            got = _build(model, c, root, None)
+            if isinstance(got, Measurement):
+                figures[c] = got
+                continue
+            engines[c], loaded[c.weights] = got, got.loaded
+            if not together:
+                timed({c: got})
+                drop_all()
+        if together:
+            timed(dict(engines))
+
+        def eager_score(c: Candidate) -> float:
+            m = figures.get(Candidate(c.weights, False))
+            return (m.score if m is not None else None) or 0.0
+
+        for c in sorted((c for c in wanted if c.compile_decode), key=eager_score, reverse=True):
+            eager = Candidate(c.weights, False)
+            best = max((m.score or 0.0 for m in figures.values()), default=0.0)
+            hope = eager_score(c) * compile_gain
+            if eager in figures and hope and hope < best:
+                figures[c] = Measurement(
+                    c, None, None, f"{PRUNED}: eager {eager_score(c):.1f} x {compile_gain:.2f} < "
+                    f"{best:.1f} tok/s measured"
+                )  # fmt: skip
+                log.info("auto config: %s %s", c.label, figures[c].note)
+                continue
+            got = _build(model, c, root, loaded.get(c.weights))
+            if isinstance(got, Measurement):
+                figures[c] = got
+                continue
+            pair = {c: got}
+            if eager in engines:
+                pair[eager] = engines[eager]
+            elif eager_score(c):  # format by format: its eager engine again, on these weights
+                again = _build(model, eager, root, got.loaded)
+                if not isinstance(again, Measurement):
+                    pair[eager] = again
+            engines.update(pair)
+            timed(pair)
+            if not together:
+                drop_all()
+        if together and engines:
+            timed(dict(engines))  # the record's figures: every held engine, interleaved
+    finally:
+        drop_all()
+    out.extend(figures[c] for c in wanted if c in figures)
     return ProbeRecord(tuple(out), max(others, default=0.0), time.time())
 
 
