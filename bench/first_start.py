@@ -29,8 +29,8 @@ Issue #47's check of the auto configuration (workers/engine/tuner.py, autoprobe.
 Every system serves the **same load** (`--seed`: the same texts at the same offsets), so a
 first start and an explicit configuration differ only in the worker.
 
-JSON on stdout (and `--out`). Needs the local stack. A first start compiles every gated
-format's decode graphs (minutes each on two cores): the run takes ~10 min per start.
+JSON on stdout (and `--out`). Needs the local stack. A first start compiles the decode graphs
+of each gated format that could still win (minutes each on two cores): ~10-25 min per start.
 """
 
 from __future__ import annotations

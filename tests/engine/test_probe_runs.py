@@ -260,3 +260,26 @@ def test_the_staged_probe_on_real_engines(monkeypatch: pytest.MonkeyPatch, tmp_p
     for c in (F32C, I8C):
         assert got[c].score is None and got[c].note.startswith(probe_runs.PRUNED)
     assert 0.0 <= record.others_share <= 1.0
+
+
+def test_the_skip_compares_side_by_side_ratios_not_figures_minutes_apart(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The host slows to half after the eager pass (a first start on the Zen 3: int8 eager
+    33.5 tok/s in the eager pass, 18.0 beside its compiled engine): int8 + compiled then
+    measures 33.5, yet its pair's 1.7x speed-up puts it at 67 in the eager pass's units, and
+    float32 (24 x 2.5 = 60) is still not compiled."""
+    builds = _fake_probe(monkeypatch, fits=True)
+    by_label = {c.label: s for c, s in SCORES.items()}
+
+    def slower_after_a_compile(engine: Any, batch: int) -> float:
+        compiled_yet = any("compiled" in label for label, _ in builds)
+        return by_label[engine.label] * (0.5 if compiled_yet else 1.0)
+
+    monkeypatch.setattr(probe_runs, "_decode_tok_s", slower_after_a_compile)
+    wanted = [F32, F32C, BF16, BF16C, I8, I8C]
+    record = probe_runs.measure_candidates("m", wanted, tmp_path, compile_gain=2.5)
+    assert [label for label, _ in builds if "compiled" in label] == [I8C.label]
+    got = {m.candidate: m for m in record.measurements}
+    assert "< 67.0 tok/s" in got[F32C].note
+    assert got[I8C].score == pytest.approx(33.5)  # the record: the final interleaved rounds

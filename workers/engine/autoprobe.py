@@ -29,7 +29,8 @@ it never tried):
 - **no compile it can show hopeless**: a format whose eager figure, times the largest
   compiled-over-eager speed-up any kept probe measured (`compile_gain_bound`: at least
   `COMPILE_GAIN_FLOOR`, with `GAIN_MARGIN` for one set of rounds' noise), stays below the best
-  figure measured is not compiled (workers/engine/probe_runs.py). Every probe that measured a
+  estimate (a compiled format's: its eager figure times its measured speed-up) is not compiled
+  (workers/engine/probe_runs.py). Every probe that measured a
   format both ways adds its speed-up to `probes/compile-gains.json` (`keep_compile_gains`), so
   the bound follows what this machine has shown.
 

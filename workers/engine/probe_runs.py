@@ -18,13 +18,15 @@ the other, each format's eager and compiled engines still interleaved, and the l
 **Compiles it can show are not worth it are skipped** (`compile_gain`, given by autoprobe.py:
 the largest compiled-over-eager speed-up of any kept probe, with a margin). Compiling a format
 takes ~100 s on a Xeon and ~300 s on a 2-vCPU Zen 3, most of a first start's probe. So the
-eager engines are measured first; then the formats are compiled best eager figure first, each
-compiled engine measured beside its eager one; a format whose eager figure times `compile_gain`
-stays below the best figure measured so far is not compiled: no speed-up ever kept could lift it
-to the winner (its line says so, `PRUNED`). On Gemma 3 270M on the Zen 3 this spares bfloat16's
-and float32's compiles (eager 0.4x and 0.6x int8 + compiled's figure). The held engines are then
-measured once more, interleaved, for the record (one group), or each format's pair is its
-record (format by format).
+eager engines are measured first, together; then the formats are compiled best eager figure
+first, each compiled engine measured beside its eager one. Every comparison is in the eager
+pass's units: a compiled format's estimate is its eager figure times the speed-up its pair
+showed (two engines timed side by side), because absolute figures minutes apart are not
+comparable on a shared host (a first start on the Zen 3: int8 eager 33.5 tok/s in the eager
+pass, 18.0 in its pair seven minutes later). A format whose eager figure times `compile_gain`
+stays below the best estimate is not compiled: no speed-up ever kept could make it the winner
+(its line says so, `PRUNED`). The held engines are then measured once more, interleaved, for
+the record (one group), or each format's pair is its record (format by format).
 
 Only decode-only steps count (the engine's step trace), as bench/engine.py measures them. Around
 it all, the share of the machine's CPU time other processes took (`/proc/stat` less this
@@ -133,8 +135,9 @@ def _measure_pruning_compiles(
     together: bool,
 ) -> ProbeRecord:
     """Eager engines first, then compiles best eager figure first, each skipped when its eager
-    figure times `compile_gain` stays below the best so far (module notes). `together`: every
-    engine held at once and measured interleaved at the end; else format by format."""
+    figure times `compile_gain` stays below the best estimate so far (module notes).
+    `together`: every engine held at once and measured interleaved at the end; else format by
+    format."""
     figures: dict[Candidate, Measurement] = {}  # each candidate's latest measurement
     engines: dict[Candidate, Any] = {}
     loaded: dict[str, Any] = {}  # a format's eager and compiled engines share its weights
@@ -163,18 +166,20 @@ def _measure_pruning_compiles(
         if together:
             timed(dict(engines))
 
-        def eager_score(c: Candidate) -> float:
-            m = figures.get(Candidate(c.weights, False))
-            return (m.score if m is not None else None) or 0.0
-
-        for c in sorted((c for c in wanted if c.compile_decode), key=eager_score, reverse=True):
+        # the eager pass's figures, and each format's best in those units (module notes)
+        eager_pass = {c.weights: m.score for c, m in figures.items() if m.score}
+        estimate = dict(eager_pass)
+        for c in sorted(
+            (c for c in wanted if c.compile_decode),
+            key=lambda c: eager_pass.get(c.weights, 0.0),
+            reverse=True,
+        ):
             eager = Candidate(c.weights, False)
-            best = max((m.score or 0.0 for m in figures.values()), default=0.0)
-            hope = eager_score(c) * compile_gain
-            if eager in figures and hope and hope < best:
+            best = max(estimate.values(), default=0.0)
+            if c.weights in eager_pass and eager_pass[c.weights] * compile_gain < best:
                 figures[c] = Measurement(
-                    c, None, None, f"{PRUNED}: eager {eager_score(c):.1f} x {compile_gain:.2f} < "
-                    f"{best:.1f} tok/s measured"
+                    c, None, None, f"{PRUNED}: eager {eager_pass[c.weights]:.1f} x "
+                    f"{compile_gain:.2f} < {best:.1f} tok/s, the best estimate"
                 )  # fmt: skip
                 log.info("auto config: %s %s", c.label, figures[c].note)
                 continue
@@ -185,12 +190,17 @@ def _measure_pruning_compiles(
             pair = {c: got}
             if eager in engines:
                 pair[eager] = engines[eager]
-            elif eager_score(c):  # format by format: its eager engine again, on these weights
+            elif c.weights in eager_pass:  # format by format: its eager engine again
                 again = _build(model, eager, root, got.loaded)
                 if not isinstance(again, Measurement):
                     pair[eager] = again
             engines.update(pair)
             timed(pair)
+            gain = _gain(figures.get(c), figures.get(eager))
+            if c.weights in eager_pass and gain is not None:
+                estimate[c.weights] = eager_pass[c.weights] * max(1.0, gain)
+            elif figures[c].score:  # no eager figure to scale: its own, as measured
+                estimate[c.weights] = max(estimate.get(c.weights, 0.0), figures[c].score or 0.0)
             if not together:
                 drop_all()
         if together and engines:
@@ -199,6 +209,13 @@ def _measure_pruning_compiles(
         drop_all()
     out.extend(figures[c] for c in wanted if c in figures)
     return ProbeRecord(tuple(out), max(others, default=0.0), time.time())
+
+
+def _gain(compiled: Measurement | None, eager: Measurement | None) -> float | None:
+    """Compiled over eager sqrt(b1 x b8), both from one timed set; None without both."""
+    if compiled is None or eager is None or not compiled.score or not eager.score:
+        return None
+    return compiled.score / eager.score
 
 
 # resident bytes of a format's engine per byte of the float32 checkpoint (the weights as served,
