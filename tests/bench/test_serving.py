@@ -466,3 +466,46 @@ def test_a_paired_first_start_is_judged_against_the_explicit_starts_right_after_
     assert one["p50_over_paired"] == 1.04 and one["within_paired"]
     assert two["p50_over_paired"] == 1.2 and not two["within_paired"]
     assert "p50_over_paired" not in four  # a first start that missed its P50 gets no ratio
+
+
+def test_each_first_start_is_read_against_its_own_anchor_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bench.first_start --paired --anchor-each: llama-server runs after each start's explicit
+    starts (not once at the end), and each start's ratio uses its own anchor."""
+    from bench import first_start, serving
+
+    order: list[str] = []
+    anchors = iter(
+        [{"1": {"p50_s": 0.40, "p99_ok_s": 2.0}}, {"1": {"p50_s": 0.30, "p99_ok_s": 1.0}}]
+    )
+    first_p50s = iter([0.32, 0.33])
+
+    def fake_llama(args: object, binary: str) -> dict[str, dict[str, float]]:
+        order.append("llama")
+        return next(anchors)
+
+    def fake_explicit(args: object, label: str) -> dict[str, dict[str, float]]:
+        order.append("explicit")
+        return {"1": {"p50_s": 0.3, "p99_ok_s": 1.0}}
+
+    def fake_first(ns: object) -> dict[str, list[dict[str, float]]]:
+        order.append("first")
+        return {"starts": [{}]}
+
+    monkeypatch.setattr(first_start, "run_llama_server", fake_llama)
+    monkeypatch.setattr(first_start, "explicit_start", fake_explicit)
+    monkeypatch.setattr(serving, "run", fake_first)
+    monkeypatch.setattr(
+        first_start, "by_rate", lambda result: {"1": {"p50_s": next(first_p50s), "p99_ok_s": 1.0}}
+    )
+    args = first_start.parse_args(
+        ["--starts", "2", "--rates", "1", "--explicit", "int8+compiled", "--paired", "--anchor",
+         "--anchor-each"]
+    )  # fmt: skip
+    got = first_start.run(args)
+    assert order == ["first", "explicit", "llama", "first", "explicit", "llama"]
+    one, two = (row["rates"]["1"] for row in got["starts"])
+    assert one["p50_over_llama"] == 0.8 and two["p50_over_llama"] == 1.1  # 0.32/0.40, 0.33/0.30
+    assert one["p99_ok_over_llama"] == 0.5 and two["p99_ok_over_llama"] == 1.0
+    assert got["llama_http"] == {}  # no end-of-run anchor
