@@ -30,9 +30,9 @@ it never tried):
   compiled-over-eager speed-up any kept probe measured (`compile_gain_bound`: at least
   `COMPILE_GAIN_FLOOR`, with `GAIN_MARGIN` for one set of rounds' noise), stays below the best
   estimate (a compiled format's: its eager figure times its measured speed-up) is not compiled
-  (workers/engine/probe_runs.py). Every probe that measured a
-  format both ways adds its speed-up to `probes/compile-gains.json` (`keep_compile_gains`), so
-  the bound follows what this machine has shown.
+  (workers/engine/probe_runs.py). Every probe that measured a format both ways adds its
+  speed-up to `probes/compile-gains.json` (`keep_compile_gains`), so the bound follows what
+  this machine has shown.
 
 A format the gate fails is not measured (its line says so). The worker does not wait for this
 on a machine it has never seen: `resolve_worker_config(background=True)` returns the unmeasured
@@ -71,7 +71,7 @@ from workers.engine.probe_runs import PRUNED, ProbeRecord, measure_candidates
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = 3  # bump when what the probe measures changes (3: every format compiled, rounds)
+PROBE_VERSION = 3  # bump when what the probe measures changes (3: compiled too, rounds)
 # The largest compiled-over-eager speed-up of sqrt(b1 * b8) in the probes docs/BENCHMARKS.md
 # keeps is int8 on the 2-vCPU Zen 3: 2.13x (a first start, 2026-12-07: b1 11.4 -> 29.7, b8 45.0
 # -> 78.7 tok/s; 2.05x and 1.74x in earlier ones); float32 and bfloat16 gained 0.8-1.5x. The floor
