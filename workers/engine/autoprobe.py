@@ -67,7 +67,12 @@ from workers.engine.disk_cache import (
     tolk_version,
     write_record,
 )
-from workers.engine.probe_runs import PRUNED, ProbeRecord, measure_candidates
+from workers.engine.probe_runs import (
+    PRUNED,
+    ProbeRecord,
+    compile_speedup,
+    measure_candidates,
+)
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +209,22 @@ def compile_gain_bound(cache_root: Path) -> float:
 def keep_compile_gains(cache_root: Path, record: ProbeRecord, model: str) -> None:
     """Add the record's compiled-over-eager speed-ups (formats measured both ways) to the kept
     gains; a busy record's too: a gain a burst inflated only makes the bound more cautious."""
-    scores = {m.candidate: m.score for m in record.measurements if m.score}
+    by_candidate = {m.candidate: m for m in record.measurements}
+    gains = {
+        c.weights: compile_speedup(m, by_candidate.get(Candidate(c.weights, False)))
+        for c, m in by_candidate.items()
+        if c.compile_decode
+    }
     new = [
         {
             "cpu": cpu_fingerprint(),
             "model": Path(model).name,
-            "weights": c.weights,
-            "gain": round(compiled / scores[Candidate(c.weights, False)], 4),
+            "weights": weights,
+            "gain": round(gain, 4),
             "at": record.measured_at,
         }  # fmt: skip
-        for c, compiled in scores.items()
-        if c.compile_decode and Candidate(c.weights, False) in scores
+        for weights, gain in gains.items()
+        if gain is not None
     ]
     if not new:
         return

@@ -196,7 +196,7 @@ def _measure_pruning_compiles(
                     pair[eager] = again
             engines.update(pair)
             timed(pair)
-            gain = _gain(figures.get(c), figures.get(eager))
+            gain = compile_speedup(figures.get(c), figures.get(eager))
             if c.weights in eager_pass and gain is not None:
                 estimate[c.weights] = eager_pass[c.weights] * max(1.0, gain)
             elif figures[c].score:  # no eager figure to scale: its own, as measured
@@ -211,7 +211,7 @@ def _measure_pruning_compiles(
     return ProbeRecord(tuple(out), max(others, default=0.0), time.time())
 
 
-def _gain(compiled: Measurement | None, eager: Measurement | None) -> float | None:
+def compile_speedup(compiled: Measurement | None, eager: Measurement | None) -> float | None:
     """Compiled over eager sqrt(b1 x b8), both from one timed set; None without both."""
     if compiled is None or eager is None or not compiled.score or not eager.score:
         return None
