@@ -153,10 +153,23 @@ def paired_ratios(row: JSON, pair: dict[str, dict[str, JSON]]) -> None:
     first start is read against its neighbour in time, not against starts an hour later."""
     row["paired"] = pair
     for rate, figures in row["rates"].items():
-        p50s = [f[rate]["p50_s"] for f in pair.values() if f.get(rate, {}).get("p50_s")]
-        if p50s and figures.get("p50_s") is not None:
-            figures["p50_over_paired"] = ratio(figures["p50_s"], min(p50s))
-            figures["within_paired"] = (figures["p50_over_paired"] or 99) <= WITHIN
+        served = [f[rate] for f in pair.values() if f.get(rate, {}).get("p50_s")]
+        if not served or figures.get("p50_s") is None:
+            continue
+        fastest = min(served, key=lambda f: f["p50_s"])
+        figures["p50_over_paired"] = ratio(figures["p50_s"], fastest["p50_s"])
+        figures["within_paired"] = (figures["p50_over_paired"] or 99) <= WITHIN
+        # the engine's own pace against that start's: a P50 ratio off by more than its decode
+        # steps are tells the host's load or the arrivals' luck from a slower process
+        figures["decode_ms_over_paired"] = ratio(
+            decode_ms(figures.get("engine_steps")), decode_ms(fastest.get("engine_steps"))
+        )
+
+
+def decode_ms(engine_steps: JSON | None) -> float | None:
+    """The mean decode-only step (ms) of a serving run's `engine_steps`, None without one."""
+    decode = (engine_steps or {}).get("decode") or {}
+    return decode.get("mean_ms") if decode.get("steps") else None
 
 
 def llama_ratios(rates: dict[str, JSON], anchor: dict[str, JSON]) -> None:
@@ -246,6 +259,8 @@ def run(args: argparse.Namespace) -> JSON:
             "p50_over_best": f"over the fastest explicit configuration's P50 (pass <= {WITHIN})",
             "p50_over_paired": "with --paired: over the fastest P50 of the explicit starts run "
             f"right after this first start (pass <= {WITHIN})",
+            "decode_ms_over_paired": "with --paired: its mean decode step over that start's "
+            "(the engine's pace; a P50 ratio far from it is the host's load or the arrivals)",
             "p50_over_llama": "over llama-server's P50 at the same rate (issue #47: <= 0.8); "
             "with --anchor-each over the run beside this start (its row's llama_http)",
             "p99_ok_over_llama": "P99 of OK replies over llama-server's (issue #47: <= 1.0)",

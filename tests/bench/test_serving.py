@@ -455,10 +455,24 @@ def test_a_paired_first_start_is_judged_against_the_explicit_starts_right_after_
     first start is compared with the fastest explicit start of its own pair, rate by rate."""
     from bench.first_start import paired_ratios
 
-    row = {"rates": {"1": {"p50_s": 0.130}, "2": {"p50_s": 0.120}, "4": {"p50_s": None}}}
+    steps = {"decode": {"steps": 900, "mean_ms": 22.0}}
+    row = {
+        "rates": {
+            "1": {"p50_s": 0.130, "engine_steps": steps},
+            "2": {"p50_s": 0.120},
+            "4": {"p50_s": None},
+        }
+    }
     pair = {
-        "int8+compiled": {"1": {"p50_s": 0.125}, "2": {"p50_s": 0.100}, "4": {"p50_s": 0.2}},
-        "int8": {"1": {"p50_s": 0.140}, "2": {"p50_s": None}},
+        "int8+compiled": {
+            "1": {"p50_s": 0.125, "engine_steps": {"decode": {"steps": 950, "mean_ms": 20.0}}},
+            "2": {"p50_s": 0.100},
+            "4": {"p50_s": 0.2},
+        },
+        "int8": {
+            "1": {"p50_s": 0.140, "engine_steps": {"decode": {"steps": 950, "mean_ms": 30.0}}},
+            "2": {"p50_s": None},
+        },
     }
     paired_ratios(row, pair)
     assert row["paired"] is pair
@@ -466,6 +480,9 @@ def test_a_paired_first_start_is_judged_against_the_explicit_starts_right_after_
     assert one["p50_over_paired"] == 1.04 and one["within_paired"]
     assert two["p50_over_paired"] == 1.2 and not two["within_paired"]
     assert "p50_over_paired" not in four  # a first start that missed its P50 gets no ratio
+    # decode steps against the start its P50 is read against (the fastest), not the slowest
+    assert one["decode_ms_over_paired"] == 1.1
+    assert two["decode_ms_over_paired"] is None  # no engine steps reported: no ratio
 
 
 def test_each_first_start_is_read_against_its_own_anchor_when_asked(

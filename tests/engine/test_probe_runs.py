@@ -201,6 +201,34 @@ def test_a_compile_no_kept_gain_could_make_the_winner_is_skipped(
     # is built again on the compiled one's weights for the pair (format by format)
     assert (I8C.label, fits) in builds
     assert (I8.label, True) in builds or fits
+    if fits:  # held together: the hopeless eager engines' record is their eager-pass figure
+        assert got[F32].note.startswith("eager pass only, x1.00") and not got[F32].larger
+        assert dict(got[I8].larger).keys() == {16, 32}  # the cap's sizes, on the final rounds
+
+
+def test_hopeless_eager_engines_are_let_go_before_the_compiles(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Held together: float32's and bfloat16's compiles are skipped, so their eager engines
+    (below the best estimate too) are not timed again; the eager pass times no cap batch."""
+    builds = _fake_probe(monkeypatch, fits=True)
+    by_label = {c.label: s for c, s in SCORES.items()}
+    timed: list[tuple[str, int, bool]] = []  # (label, batch, after int8's compile)
+
+    def decode(engine: Any, batch: int) -> float:
+        timed.append((engine.label, batch, any("compiled" in label for label, _ in builds)))
+        return by_label[engine.label]
+
+    monkeypatch.setattr(probe_runs, "_decode_tok_s", decode)
+    wanted = [F32, F32C, BF16, BF16C, I8, I8C]
+    probe_runs.measure_candidates("m", wanted, tmp_path, compile_gain=2.5)
+    eager_pass = {(label, b) for label, b, later in timed if not later}
+    assert {b for _, b in eager_pass} == set(probe_runs.RANK_BATCHES)
+    later = {label for label, _, after in timed if after}
+    assert later == {I8.label, I8C.label}
+    assert {(label, b) for label, b, after in timed if after and b in (16, 32)} == {
+        (label, b) for label in (I8.label, I8C.label) for b in (16, 32)
+    }
 
 
 def test_a_larger_bound_compiles_what_could_still_win(
@@ -283,3 +311,6 @@ def test_the_skip_compares_side_by_side_ratios_not_figures_minutes_apart(
     got = {m.candidate: m for m in record.measurements}
     assert "< 67.0 tok/s" in got[F32C].note
     assert got[I8C].score == pytest.approx(33.5)  # the record: the final interleaved rounds
+    # float32's eager engine was let go before the slowdown: its eager-pass 24 at the final
+    # rounds' pace (int8 eager 39 -> 19.5 between the two), as int8 + compiled's 33.5 is
+    assert got[F32].score == pytest.approx(12.0) and "x0.50" in got[F32].note

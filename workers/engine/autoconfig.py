@@ -221,10 +221,11 @@ def choose(
     for m in measurements:
         c = m.candidate
         gate = gates.get(c.weights, Gate(False, "no gate"))
+        note = f" ({m.note})" if m.note else ""
         speeds = (
-            f"b1 {m.tok_s_b1:.1f} tok/s, b8 {m.tok_s_b8:.1f} tok/s"
+            f"b1 {m.tok_s_b1:.1f} tok/s, b8 {m.tok_s_b8:.1f} tok/s{note}"
             if m.score is not None
-            else f"not measured{f' ({m.note})' if m.note else ''}"
+            else f"not measured{note}"
         )
         gate_text = f"gate {'pass' if gate.passed else 'FAIL'}: {gate.detail}"
         asked = over.weights == c.weights  # an explicit format is the operator's call
