@@ -144,7 +144,7 @@ def run_worker(settings: Any, plan: WorkerPlan) -> int:
     # weighted fair share (VTC) across languages, deadline admission, no OK after a deadline
     engine = build_fair_engine(
         selection.config, policies, burst_tokens=settings.burst_tokens, loaded=loaded,
-        decode_step_s=cap.step_s,
+        decode_steps=cap.steps,
     )  # fmt: skip
     del loaded  # the engine holds it; a switch of configuration must be able to free it
     cascade = (  # the large model on the device and paths the small one was given
@@ -251,18 +251,23 @@ def cache_variant(config: Any) -> str:
 def after_switch(engine: Any, served: Any, cap: BatchCap | None) -> None:
     """What the worker changes once the tuner moved `engine` to another configuration: the
     translation cache keys answers by the new weight format, and the scheduler's pace hook
-    (workers/serving/pace.py) takes the new configuration's decode step at its batch cap
-    (`cap.step_s`, measured by the probe). Kept as it was, a first start's pace held the
-    unmeasured start's figure for good: the latency prior's step at the default cap of 32 (95
-    ms), with which many running requests read as at risk and newcomers of the other languages
+    (workers/serving/pace.py) takes the new configuration's decode steps by batch size up to
+    its cap (`cap.steps`, measured by the probe). Kept as they were, a first start's pace held
+    the unmeasured start's figures for good: the latency prior's (95 ms at the default cap of
+    32), with which many running requests read as at risk and newcomers of the other languages
     waited for them."""
     served.set_cache_variant(cache_variant(engine.config))
     pace = engine.scheduler.pace  # None without the fair engine's hook
-    step_s = cap.step_s if cap is not None else None
-    if pace is not None and step_s:
-        log.info("pace: a decode step now counts %.1f ms (was %.1f)", step_s * 1e3,
-                 pace.decode_step_s * 1e3)  # fmt: skip
-        pace.decode_step_s = step_s
+    steps = cap.steps if cap is not None else {}
+    if pace is not None and steps:
+        log.info("pace: a decode step now counts %s (was %s)", _ms_by_batch(steps),
+                 _ms_by_batch(pace.decode_steps))  # fmt: skip
+        pace.decode_steps = steps
+
+
+def _ms_by_batch(steps: dict[int, float]) -> str:
+    """A pace's decode steps for the log: "b1 21.3 ms, b16 130.1 ms"."""
+    return ", ".join(f"b{b} {s * 1e3:.1f} ms" for b, s in sorted(steps.items()))
 
 
 def _start_tuner(

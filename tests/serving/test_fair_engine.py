@@ -112,11 +112,12 @@ def test_fair_engine_deadlines_and_learning(smollm2: Any) -> None:
     )
     fe.engine.warm(list(WEIGHTS))
     assert fe.admission is not None
-    # the pace hook (workers/serving/pace.py) with the languages' SLOs and the prior's step at
-    # this batch cap (no probe here): 9 ms + 2.7 ms x 4
+    # the pace hook (workers/serving/pace.py) with the languages' SLOs and the prior's steps
+    # at batch 1 and this batch cap (no probe here): 9 ms + 2.7 ms x batch
     pace = fe.engine.scheduler.pace
     assert isinstance(pace, SloPace) and pace.slo_s == {g: 5.0 for g in WEIGHTS}
-    assert pace.decode_step_s == pytest.approx(0.009 + 0.0027 * 4)
+    assert pace.step_s(4) == pytest.approx(0.009 + 0.0027 * 4)
+    assert pace.step_s(1) == pytest.approx(0.009 + 0.0027)
     admitted_before = fe.admission.counts["admitted"]  # the warm-up requests went through it
     fe.start()
     try:

@@ -49,3 +49,21 @@ def test_the_threshold_is_the_mixed_step() -> None:
     assert pace([(request("en", tokens, arrival=0.0), 0)], now=3.0 - just_enough + 0.01) == {"en"}
     with pytest.raises(ValueError):
         SloPace(SLO, 0.0)
+
+
+def test_the_step_is_the_running_batchs() -> None:
+    """The threshold is a mixed step at the running batch's size: at 1-2 req/s a request runs
+    alone, its steps at batch 1, and it does not hold newcomers for the cap's slow steps."""
+    steps = {1: 0.02, 8: 0.05, 16: 0.13}
+    pace = SloPace(SLO, steps)
+    assert pace.step_s(1) == 0.02 and pace.step_s(16) == 0.13 and pace.step_s(32) == 0.13
+    assert pace.step_s(4) == pytest.approx(0.02 + (0.05 - 0.02) * 3 / 7)  # linear between
+    de = request("de", 20, arrival=0.0)  # 2 s for 20 tokens: 100 ms a token
+    assert pace([(de, 0)], now=0.0) is None  # alone: a mixed step ~40 ms
+    full = [(de, 0)] + [(request("en", 5, arrival=0.0), 0)] * 15  # a batch of 16: ~260 ms
+    assert pace(full, now=0.0) == frozenset({"de"})
+    pace.decode_steps = {8: 0.05}  # one size given: the same at every size
+    assert pace.step_s(1) == pace.step_s(32) == 0.05
+    for bad in ({}, {0: 0.01}, {1: -0.01}):
+        with pytest.raises(ValueError):
+            SloPace(SLO, bad)

@@ -28,7 +28,7 @@ Without measurements (flags instead of the probe, a GPU) the caller's default st
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "CAP_CHOICES",
@@ -48,7 +48,9 @@ TYPICAL_OUTPUT_TOKENS = 32
 class BatchCap:
     max_num_seqs: int
     reason: str  # logged at start-up: the figures behind the choice
-    step_s: float | None = None  # a decode-only step at the cap, as measured (None: not)
+    # a decode-only step's seconds by batch size up to the cap, as measured (empty: not); the
+    # scheduler's pace hook reads it at the running batch's size (workers/serving/pace.py)
+    steps: dict[int, float] = field(default_factory=dict)
 
 
 def choose_batch_cap(
@@ -73,4 +75,5 @@ def choose_batch_cap(
                 f"{TYPICAL_OUTPUT_TOKENS} tokens in a full batch within the tightest SLO "
                 f"{tightest_slo_s:g} s"
             )
-    return BatchCap(cap, f"{cap} ({why}; {figures})", cap / measured[cap])
+    steps = {b: b / s for b, s in tok_s.items() if 0 < b <= cap and s > 0}
+    return BatchCap(cap, f"{cap} ({why}; {figures})", steps)

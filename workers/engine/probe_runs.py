@@ -40,6 +40,10 @@ process's own time, steal included; the load average where /proc is missing) is 
 record it makes (`ProbeRecord`) is "busy" above `BUSY_SHARE`, and a busy record is measured again
 later (workers/engine/tuner.py) instead of kept for good. The record's keying, storage and the
 choice it makes are workers/engine/autoprobe.py's.
+
+One concern: timing the candidates. The staged path (eager pass, pruned compiles, final rounds)
+and the plain one share the builds, the timed rounds and the load sampling, and split apart
+they would pass those around between files for no reader's gain.
 """
 
 from __future__ import annotations

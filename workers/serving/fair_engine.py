@@ -232,7 +232,7 @@ def build_fair_engine(
     precheck: bool = True,
     burst_tokens: float = DEFAULT_BURST_TOKENS,
     loaded: LoadedModel | None = None,
-    decode_step_s: float | None = None,
+    decode_steps: Mapping[int, float] | None = None,
 ) -> FairEngine:
     """An Engine wired with `VTCQueue.from_policies` (fair) or `FCFSQueue` and `EngineAdmission`.
 
@@ -241,9 +241,9 @@ def build_fair_engine(
     burst credit for a language returning from idle (0 = the paper's lift). `loaded`, with an
     EngineConfig: the model already loaded on its device (`Engine.from_config(loaded=)`).
     With `fair`, the scheduler's pace hook holds newcomers back while a running request needs
-    fast steps to make its language's SLO (workers.serving.pace); `decode_step_s` is a
-    decode-only step at the running batch's cap (the start-up probe's; default: the latency
-    prior's per-token constants at that batch).
+    fast steps to make its language's SLO (workers.serving.pace); `decode_steps`: a
+    decode-only step's seconds by batch size (the start-up probe's; default: the latency
+    prior's per-token constants, at batch 1 and at the running batch's cap).
     """
     from workers.engine.engine import Engine, EngineConfig
 
@@ -258,10 +258,12 @@ def build_fair_engine(
     else:
         engine = Engine(loaded_or_config, config, request_queue=queue, admission=hook)
     if fair:
-        if decode_step_s is None:
+        if not decode_steps:
             prior = LatencyPrior()
-            batch = engine.config.max_num_seqs
-            decode_step_s = prior.decode_s_per_token + prior.decode_s_per_token_per_seq * batch
+            decode_steps = {
+                b: prior.decode_s_per_token + prior.decode_s_per_token_per_seq * b
+                for b in (1, engine.config.max_num_seqs)
+            }
         slo = {group: policy.slo_p99_s for group, policy in policies.items()}
-        engine.scheduler.pace = SloPace(slo, decode_step_s)
+        engine.scheduler.pace = SloPace(slo, decode_steps)
     return FairEngine(engine, hook, precheck=precheck)

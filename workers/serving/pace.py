@@ -18,8 +18,16 @@ unknown length.
 
 The price: while a light request runs at risk, the heavy language's slots refill later (its
 throughput dips for the light request's few hundred milliseconds); the light request's steps
-get faster still as the batch shrinks. `decode_step_s` comes from the start-up probe at the
-running batch's cap (`workers.engine.batch_cap`), else the latency model's per-token prior.
+get faster still as the batch shrinks.
+
+The decode-only step is the one **at the running batch's size** (`decode_steps`: seconds by
+batch size, linear between the sizes given, the nearest one's outside them): from the start-up
+probe's figures up to the running batch's cap (`workers.engine.batch_cap`), else the latency
+prior's per-token constants. Under overload the batch is at its cap, so the threshold is the
+cap's step as before. It was the cap's step at every load: at 1-2 req/s on a 2-vCPU AMD EPYC
+(Zen 3), where a step at batch 1-2 took ~20 ms, the hook counted 73-130 ms (the step at a
+batch of 16-32), so a German request of 20 expected tokens (2 s SLO: 100 ms a token) read as
+at risk from its first step and every newcomer of the other language waited for it to finish.
 """
 
 from __future__ import annotations
@@ -36,17 +44,45 @@ MIXED_STEP_FACTOR = 2.0  # a step with a newcomer's prefill, in decode-only step
 class SloPace:
     """The pace hook: which groups may send a newcomer into this step (None: any)."""
 
-    def __init__(self, slo_s: Mapping[str, float], decode_step_s: float) -> None:
-        if decode_step_s <= 0:
-            raise ValueError(f"decode_step_s must be > 0, got {decode_step_s!r}")
+    def __init__(
+        self, slo_s: Mapping[str, float], decode_steps: Mapping[int, float] | float
+    ) -> None:
+        """`decode_steps`: a decode-only step's seconds by running batch size (a number: the
+        same at every size)."""
         self.slo_s = dict(slo_s)
-        self.decode_step_s = decode_step_s
+        self.decode_steps = decode_steps  # (validated by the setter)
         self.held_steps = 0  # steps in which some group was held back (a gauge's source)
+
+    @property
+    def decode_steps(self) -> dict[int, float]:
+        return self._steps
+
+    @decode_steps.setter
+    def decode_steps(self, steps: Mapping[int, float] | float) -> None:
+        steps = {1: steps} if isinstance(steps, int | float) else dict(steps)
+        if not steps or any(b < 1 or not s > 0 for b, s in steps.items()):
+            raise ValueError(f"decode steps must be > 0 at batch sizes >= 1, got {steps!r}")
+        self._steps = dict(sorted(steps.items()))
+
+    def step_s(self, batch: int) -> float:
+        """A decode-only step at `batch` rows: linear between the sizes given, the nearest
+        one's outside them."""
+        sizes = list(self._steps)
+        if batch <= sizes[0]:
+            return self._steps[sizes[0]]
+        if batch >= sizes[-1]:
+            return self._steps[sizes[-1]]
+        hi = next(b for b in sizes if b >= batch)
+        lo = max(b for b in sizes if b <= batch)
+        if hi == lo:
+            return self._steps[lo]
+        w = (batch - lo) / (hi - lo)
+        return self._steps[lo] * (1 - w) + self._steps[hi] * w
 
     def __call__(
         self, running: Sequence[tuple[GenerationRequest, int]], now: float
     ) -> frozenset[str] | None:
-        threshold = MIXED_STEP_FACTOR * self.decode_step_s
+        threshold = MIXED_STEP_FACTOR * self.step_s(len(running))
         at_risk = set()
         for request, generated in running:
             slo = self.slo_s.get(request.group)
